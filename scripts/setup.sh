@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Creates .venv with everything lightspeed needs on this machine, idempotently.
+# CPU torch 2.13.0 is pinned (a plain `torch` would pull several GB of CUDA wheels); DeepSpeed is built
+# against it without build isolation; libaio-dev is installed for NVMe offload; DeepSpeed's CPU ops are
+# compiled once into the torch extensions cache so the first training run does not pay for it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if ! dpkg -s libaio-dev >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  echo "[setup] installing libaio-dev (DeepSpeed async_io, needed for NVMe offload)"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q libaio-dev >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q libaio-dev >/dev/null; } \
+    || echo "[setup] WARNING: could not install libaio-dev; zero3_nvme will be unavailable"
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip_q() { pip install -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+if ! python -c "import torch" >/dev/null 2>&1; then
+  echo "[setup] installing torch ${LIGHTSPEED_TORCH_VERSION:-2.13.0}"
+  pip_q "torch==${LIGHTSPEED_TORCH_VERSION:-2.13.0}"
+fi
+if ! python -c "import lightspeed, deepspeed, pytest, transformers" >/dev/null 2>&1; then
+  echo "[setup] installing lightspeed and its dependencies"
+  pip_q setuptools wheel ninja
+  pip_q --no-build-isolation -e ".[test]"
+fi
+python -c "import lightspeed, deepspeed" || { echo "[setup] installation failed" >&2; exit 1; }
+
+echo "[setup] building DeepSpeed CPU ops (cached after the first time)"
+DS_ACCELERATOR=cpu python - <<'PYEOF'
+import warnings
+warnings.filterwarnings("ignore")
+from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+CPUAdamBuilder().load(verbose=False)
+aio = AsyncIOBuilder()
+if aio.is_compatible(verbose=False):
+    aio.load(verbose=False)
+    print("[setup] async_io ready (NVMe offload available)")
+else:
+    print("[setup] async_io not compatible here (libaio-dev missing): NVMe offload unavailable")
+PYEOF
+echo "[setup] done: .venv is ready"

@@ -1,0 +1,1 @@
+"""Lightning plugins: precision (``plugins/precision``) and accelerators (``plugins/accelerators``)."""

@@ -1,0 +1,26 @@
+"""Lightning strategies. ``register_strategies`` adds every lightspeed name to Lightning's StrategyRegistry."""
+
+from __future__ import annotations
+
+import importlib
+
+# Each module listed here defines ``register(registry)``; add a line when a new strategy module lands.
+_STRATEGY_MODULES = (
+    "lightspeed.strategies.zero",
+)
+
+
+def register_strategies() -> None:
+    """Register all lightspeed strategy names (idempotent)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for module_name in _STRATEGY_MODULES:
+        importlib.import_module(module_name).register(StrategyRegistry)
+
+
+def __getattr__(name: str):
+    if name == "ZeroStrategy":
+        from lightspeed.strategies.zero import ZeroStrategy
+
+        return ZeroStrategy
+    raise AttributeError(f"module 'lightspeed.strategies' has no attribute {name!r}")

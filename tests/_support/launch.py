@@ -1,0 +1,72 @@
+"""Run real multi-process jobs from tests: each rank is its own OS process talking over gloo."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for child ranks: one intra-op thread per rank (2 cores here), no stray GPU, repo importable."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT / "src"), str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def _check(proc: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
+    if proc.returncode != 0:
+        tail = (proc.stdout or "")[-6000:] + "\n--- stderr ---\n" + (proc.stderr or "")[-8000:]
+        raise AssertionError(f"{what} exited with {proc.returncode}\n{tail}")
+    return proc
+
+
+def run_torchrun(
+    script: str | Path,
+    nproc: int,
+    args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Launch ``script`` on ``nproc`` local ranks with torchrun (TorchElastic environment, gloo on CPU)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+        f"--master_port={free_port()}", "--master_addr=127.0.0.1", str(script), *map(str, args),
+    ]
+    proc = subprocess.run(cmd, env=child_env(env), capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+    return _check(proc, f"torchrun {Path(script).name}") if check else proc
+
+
+def run_python(
+    script: str | Path,
+    args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run ``script`` as a plain process; a Trainer inside with ``devices=N`` uses Lightning's own launcher."""
+    extra = {"MASTER_PORT": str(free_port())}
+    extra.update(env or {})
+    cmd = [sys.executable, str(script), *map(str, args)]
+    proc = subprocess.run(cmd, env=child_env(extra), capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+    return _check(proc, f"python {Path(script).name}") if check else proc
