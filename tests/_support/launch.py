@@ -26,7 +26,8 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("MKL_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT / "src"), str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    paths = (str(REPO_ROOT / "src"), str(REPO_ROOT), str(REPO_ROOT / "tests"), env.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
     env.update(extra or {})

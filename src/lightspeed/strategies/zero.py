@@ -1,5 +1,490 @@
-"""ZeRO strategies (work in progress)."""
+"""``ZeroStrategy``: DeepSpeed ZeRO stages 0-3 with CPU/NVMe offload, on CUDA and on CPU.
+
+Built on Lightning's ``DeepSpeedStrategy`` (launchers, engine wiring, checkpoint hooks) with these changes:
+
+* runs on ``accelerator="cpu"`` too (DeepSpeed's CPU accelerator over gloo), choosing DeepSpeed's accelerator itself;
+* the DeepSpeed config comes from a named preset plus the user's ``config=``, validated for unknown keys and with
+  every ``"auto"`` resolved from the Trainer and the model (see :mod:`lightspeed.core.deepspeed_config`);
+* ``torch.optim.Adam``/``AdamW`` become DeepSpeed's CPU Adam when the optimizer is offloaded;
+* evaluation after ``fit`` reuses the training engine instead of building a second one;
+* checkpoints are written to a staging directory and committed only after every rank finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generator, Mapping, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+from lightspeed.core import atomic_dir
+from lightspeed.core.cpu_optimizer import describe_conversion, to_deepspeed_cpu_adam
+from lightspeed.core.deepspeed_config import (
+    DeepSpeedConfigError,
+    OptimizerFacts,
+    TrainingFacts,
+    describe_config,
+    find_hidden_size,
+    load_user_config,
+    merge_configs,
+    resolve_config_with_notes,
+    validate_keys,
+    zero_preset,
+)
+from lightspeed.core.deepspeed_runtime import (
+    async_io_problem,
+    deepspeed_device_rank,
+    export_deepspeed_accelerator,
+    use_deepspeed_accelerator,
+)
+
+if TYPE_CHECKING:
+    import deepspeed
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+#: file written next to DeepSpeed's files in every checkpoint directory
+RESOLVED_CONFIG_FILENAME = "ds_config.json"
+#: environment variable naming the NVMe offload directory when ``nvme_path`` is not passed
+NVME_PATH_ENV = "LIGHTSPEED_NVME_PATH"
+_OFFLOAD_TARGETS = ("none", "cpu", "nvme")
+
+#: registered strategy name -> (constructor arguments, description)
+ZERO_STRATEGY_PRESETS: dict[str, tuple[dict[str, Any], str]] = {
+    "zero1": ({"stage": 1}, "ZeRO-1: optimizer states partitioned across ranks"),
+    "zero1_offload": (
+        {"stage": 1, "offload_optimizer": "cpu"},
+        "ZeRO-1 with optimizer states and step on the CPU (DeepSpeed CPU Adam)",
+    ),
+    "zero2": ({"stage": 2}, "ZeRO-2: optimizer states and gradients partitioned"),
+    "zero2_offload": (
+        {"stage": 2, "offload_optimizer": "cpu"},
+        "ZeRO-2 with optimizer states and step on the CPU (ZeRO-Offload)",
+    ),
+    "zero3": ({"stage": 3}, "ZeRO-3: optimizer states, gradients and parameters partitioned"),
+    "zero3_offload": (
+        {"stage": 3, "offload_optimizer": "cpu", "offload_parameters": "cpu"},
+        "ZeRO-3 with optimizer states and parameters offloaded to the CPU",
+    ),
+    "zero3_nvme": (
+        {"stage": 3, "offload_optimizer": "nvme", "offload_parameters": "nvme"},
+        "ZeRO-Infinity: optimizer states and parameters offloaded to NVMe (nvme_path or $LIGHTSPEED_NVME_PATH)",
+    ),
+}
 
 
-def register(registry) -> None:  # placeholder until the strategy lands
-    return None
+def _offload_target(value: Union[str, bool, None], argument: str) -> str:
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        return "cpu"
+    if value not in _OFFLOAD_TARGETS:
+        raise DeepSpeedConfigError(
+            f"`{argument}={value!r}` is not an offload target. Use one of {_OFFLOAD_TARGETS} (or True for 'cpu')."
+        )
+    return value
+
+
+def _checked_nvme_path(nvme_path: Optional[_PATH]) -> str:
+    path = nvme_path if nvme_path is not None else os.environ.get(NVME_PATH_ENV)
+    if not path:
+        raise DeepSpeedConfigError(
+            "NVMe offload needs a directory on a fast local disk: pass `ZeroStrategy(nvme_path=...)` or set the "
+            f"environment variable {NVME_PATH_ENV}."
+        )
+    path = Path(path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DeepSpeedConfigError(
+            f"NVMe offload path {str(path)!r} cannot be created ({err.strerror}). Choose a writable directory via "
+            f"`nvme_path=` or {NVME_PATH_ENV}."
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise DeepSpeedConfigError(
+            f"NVMe offload path {str(path)!r} is not writable. Choose a writable directory via `nvme_path=` or "
+            f"{NVME_PATH_ENV}."
+        )
+    return str(path.resolve())
+
+
+class ZeroStrategy(DeepSpeedStrategy):
+    """DeepSpeed ZeRO for Lightning, on ``accelerator="cuda"`` (nccl) and ``accelerator="cpu"`` (gloo).
+
+    Args:
+        stage: ZeRO stage 0-3 (0: plain data parallel through DeepSpeed).
+        offload_optimizer: ``"none"``, ``"cpu"`` or ``"nvme"`` (``True`` means ``"cpu"``): where optimizer states live
+            and the optimizer step runs.
+        offload_parameters: ``"none"``, ``"cpu"`` or ``"nvme"``; stage 3 only.
+        nvme_path: directory for NVMe offload; defaults to ``$LIGHTSPEED_NVME_PATH``.
+        pin_memory: page-lock offloaded CPU buffers (faster host-device copies on CUDA; no effect on CPU).
+        reduce_bucket_size, allgather_bucket_size, prefetch_bucket_size, param_persistence_threshold: ZeRO bucket
+            sizes in elements; ``"auto"`` derives them from the model's hidden size.
+        sub_group_size: ZeRO-3 optimizer sub-group size (elements), None for DeepSpeed's default.
+        config: DeepSpeed config dict or JSON path merged over the preset (its values win). ``"auto"`` is allowed
+            wherever HF-style configs use it. Unknown keys and values that contradict Trainer arguments are errors.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        offload_optimizer: Union[str, bool, None] = "none",
+        offload_parameters: Union[str, bool, None] = "none",
+        nvme_path: Optional[_PATH] = None,
+        pin_memory: bool = True,
+        reduce_bucket_size: Union[int, str] = "auto",
+        allgather_bucket_size: Union[int, str] = "auto",
+        prefetch_bucket_size: Union[int, str] = "auto",
+        param_persistence_threshold: Union[int, str] = "auto",
+        sub_group_size: Optional[int] = None,
+        config: Optional[Union[_PATH, dict[str, Any]]] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        logging_level: int = logging.WARN,
+        exclude_frozen_parameters: bool = False,
+        load_full_weights: bool = False,
+    ) -> None:
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+            raise DeepSpeedConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}.")
+        optimizer_target = _offload_target(offload_optimizer, "offload_optimizer")
+        parameter_target = _offload_target(offload_parameters, "offload_parameters")
+        uses_nvme = "nvme" in (optimizer_target, parameter_target)
+        resolved_nvme_path = _checked_nvme_path(nvme_path) if uses_nvme else None
+
+        user_config = load_user_config(config)
+        preset = zero_preset(
+            stage,
+            offload_optimizer=optimizer_target,
+            offload_parameters=parameter_target,
+            nvme_path=resolved_nvme_path,
+            pin_memory=pin_memory,
+            reduce_bucket_size=reduce_bucket_size,
+            allgather_bucket_size=allgather_bucket_size,
+            prefetch_bucket_size=prefetch_bucket_size,
+            param_persistence_threshold=param_persistence_threshold,
+            sub_group_size=sub_group_size,
+        )
+        merged = merge_configs(preset, user_config)
+        validate_keys(merged)
+
+        super().__init__(
+            accelerator=accelerator,
+            config=merged,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            logging_level=logging_level,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+            load_full_weights=load_full_weights,
+        )
+        self.config = merged  # unresolved until setup: "auto" values need the Trainer and the model
+        self.stage = self.config.get("zero_optimization", {}).get("stage", stage)
+        self.uses_nvme = uses_nvme
+        self._train_engine: Optional["deepspeed.DeepSpeedEngine"] = None
+        self._config_logged = False
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, (init_params, description) in ZERO_STRATEGY_PRESETS.items():
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def offloads_optimizer(self) -> bool:
+        """True when the optimizer step runs on the CPU/NVMe (DeepSpeed CPU Adam)."""
+        target = self.config.get("zero_optimization", {}).get("offload_optimizer", {}) or {}
+        return target.get("device", "none") in ("cpu", "nvme")
+
+    @property
+    def resolved_config(self) -> dict[str, Any]:
+        """The DeepSpeed config in force (all ``"auto"`` values resolved once setup ran)."""
+        return self.config
+
+    def _device_kind(self) -> str:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return "cuda"
+        if isinstance(self.accelerator, CPUAccelerator):
+            return "cpu"
+        raise DeepSpeedConfigError(
+            f"ZeRO strategies run on `accelerator='cuda'` or `accelerator='cpu'`, not on "
+            f"`{type(self.accelerator).__name__}`."
+        )
+
+    # ------------------------------------------------------------------ before any process starts
+    def _configure_launcher(self) -> None:
+        # Runs in Trainer.__init__, before launching: the right place for checks that must fail early and for the
+        # environment every rank inherits.
+        kind = self._device_kind()
+        self._check_precision_supported(kind)
+        export_deepspeed_accelerator(kind)
+        super()._configure_launcher()
+
+    def _check_precision_supported(self, kind: str) -> None:
+        precision = self.precision_plugin.precision
+        if kind == "cpu" and precision in ("16-mixed", "16-true"):
+            raise DeepSpeedConfigError(
+                f"`precision={precision!r}` needs a CUDA GPU: DeepSpeed's CPU accelerator trains in float32 or "
+                "bfloat16. Use `precision='bf16-mixed'` or `'32-true'` on the CPU."
+            )
+        if kind == "cuda" and precision.startswith("bf16") and torch.cuda.is_available():
+            if not torch.cuda.is_bf16_supported():
+                raise DeepSpeedConfigError(
+                    f"`precision={precision!r}` needs a GPU with bfloat16 support (Ampere or newer); this GPU has "
+                    "none. Use `precision='16-mixed'` or `'32-true'`."
+                )
+
+    # ------------------------------------------------------------------ process setup
+    def setup_environment(self) -> None:
+        kind = self._device_kind()
+        use_deepspeed_accelerator(kind)
+        if self.uses_nvme:
+            problem = async_io_problem()
+            if problem is not None:
+                raise DeepSpeedConfigError(f"NVMe offload cannot run here: {problem}")
+        if kind == "cuda":
+            super().setup_environment()  # Lightning's checks and CUDA device selection
+            return
+        self.accelerator.setup_device(self.root_device)
+        self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        if self._device_kind() == "cuda":
+            super().setup_distributed()
+            return
+        # CPU devices carry no index, so Lightning's CUDA index check does not apply.
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    # ------------------------------------------------------------------ config resolution
+    def _format_config(self) -> None:
+        resolved, notes = resolve_config_with_notes(self.config, self._training_facts())
+        self.config = resolved
+        if not self._config_logged:
+            for note in notes:
+                rank_zero_info(f"lightspeed: {note}")
+            rank_zero_info(f"lightspeed: resolved DeepSpeed config\n{describe_config(resolved)}")
+            self._config_logged = True
+
+    def _training_facts(self) -> TrainingFacts:
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if trainer is None:
+            return TrainingFacts(
+                world_size=self.world_size, micro_batch_size=None, accumulate_grad_batches=1,
+                gradient_clip_val=None, precision=self.precision_plugin.precision,
+                hidden_size=find_hidden_size(module) if module is not None else None,
+            )
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        return TrainingFacts(
+            world_size=self.world_size,
+            micro_batch_size=self._train_micro_batch_size() if fitting else None,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            gradient_clip_val=trainer.gradient_clip_val,
+            precision=self.precision_plugin.precision,
+            hidden_size=find_hidden_size(module),
+            optimizer=self._optimizer_facts() if fitting else None,
+            total_steps=self._total_steps() if fitting else None,
+        )
+
+    def _train_micro_batch_size(self) -> Optional[int]:
+        data_source = self.lightning_module.trainer.fit_loop._data_source
+        if not data_source.is_defined():
+            return None
+        loader = data_source.dataloader()
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        batch_size = getattr(batch_sampler, "batch_size", None) or getattr(loader, "batch_size", None)
+        return int(batch_size) if batch_size else None
+
+    def _optimizer_facts(self) -> Optional[OptimizerFacts]:
+        # Only needed when the DeepSpeed config defines its own optimizer with "auto" hyperparameters.
+        section = self.config.get("optimizer")
+        if not section or "auto" not in json.dumps(section):
+            return None
+        optimizers, _ = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        if not optimizers:
+            return None
+        defaults = optimizers[0].defaults
+        return OptimizerFacts(
+            type_name=type(optimizers[0]).__name__,
+            lr=float(defaults["lr"]),
+            betas=tuple(defaults["betas"]) if "betas" in defaults else None,
+            eps=defaults.get("eps"),
+            weight_decay=defaults.get("weight_decay"),
+        )
+
+    def _total_steps(self) -> Optional[int]:
+        if "auto" not in json.dumps(self.config.get("scheduler", {})):
+            return None
+        steps = self.lightning_module.trainer.estimated_stepping_batches
+        return int(steps) if steps != float("inf") else None
+
+    # ------------------------------------------------------------------ engine construction
+    def _init_optimizers(self) -> tuple[torch.optim.Optimizer, Optional[LRSchedulerConfig]]:
+        try:
+            optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        except RuntimeError as err:
+            # Lightning's own message suggests manual optimization, which does not help under ZeRO either
+            if "multiple optimizers" not in str(err):
+                raise
+            raise _one_optimizer_error("several optimizers") from None
+        if len(optimizers) != 1:
+            raise _one_optimizer_error(f"{len(optimizers)} optimizers")
+        if len(schedulers) > 1:
+            raise DeepSpeedConfigError(
+                f"ZeRO strategies support one LR scheduler, but `configure_optimizers` returned {len(schedulers)}. "
+                "Combine them, e.g. with `torch.optim.lr_scheduler.SequentialLR`."
+            )
+        optimizer = optimizers[0]
+        scheduler = schedulers[0] if schedulers else None
+        if self.offloads_optimizer:
+            converted = to_deepspeed_cpu_adam(optimizer)
+            if converted is not optimizer:
+                rank_zero_info(describe_conversion(optimizer, converted))
+                if scheduler is not None:
+                    scheduler.scheduler.optimizer = converted
+                optimizer = converted
+        return optimizer, scheduler
+
+    def _setup_model_and_optimizer(
+        self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Any = None
+    ) -> tuple["deepspeed.DeepSpeedEngine", torch.optim.Optimizer]:
+        import deepspeed
+
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=deepspeed_device_rank(self.root_device.index, self.local_rank)),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, deepspeed_optimizer
+
+    def init_deepspeed(self) -> None:
+        trainer = self.lightning_module.trainer
+        reusable = self._train_engine is not None and self._train_engine.module is self.lightning_module
+        if not trainer.training and reusable:
+            # validate/test/predict after fit: the training engine already holds the (sharded) weights
+            self.model = self._train_engine
+            return
+        super().init_deepspeed()
+        if trainer.training:
+            self._train_engine = self.model
+
+    def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
+        import deepspeed
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        for key in ("fp16", "bf16"):
+            if key in self.config:
+                inference_config[key] = self.config[key]
+        if self.zero_stage_3:
+            inference_config["zero_allow_untested_optimizer"] = self.config.get("zero_allow_untested_optimizer", True)
+            inference_config["zero_optimization"] = self.config["zero_optimization"]
+            if "aio" in self.config:
+                inference_config["aio"] = self.config["aio"]
+        remove_module_hooks(model)
+        engine, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=deepspeed_device_rank(self.root_device.index, self.local_rank)),
+            config=inference_config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
+        self.model = engine
+
+    def teardown(self) -> None:
+        if self._train_engine is not None:
+            # Keep the engine's (possibly sharded) weights where they are: Lightning's default teardown moves the
+            # module to the CPU, which would break evaluation that reuses the engine after `fit`.
+            assert self.lightning_module is not None
+            self.precision_plugin.teardown()
+            assert self.accelerator is not None
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
+        super().teardown()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Save through DeepSpeed into a staging directory; commit it only when every rank has finished."""
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by ZeRO strategies: DeepSpeed "
+                "writes the checkpoint files itself."
+            )
+        filepath = self.broadcast(str(filepath))
+        if self.is_global_zero:
+            atomic_dir.prepare_staging(filepath)
+        self.barrier("lightspeed_checkpoint_staging")
+        staging = atomic_dir.staging_path(filepath)
+        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.deepspeed_engine.save_checkpoint(
+            str(staging), client_state=client_state, tag="checkpoint",
+            exclude_frozen_parameters=self.exclude_frozen_parameters,
+        )
+        self.barrier("lightspeed_checkpoint_written")
+        if self.is_global_zero:
+            (staging / RESOLVED_CONFIG_FILENAME).write_text(describe_config(self.config))
+            atomic_dir.commit(filepath, manifest={
+                "writer": "lightspeed",
+                "world_size": self.world_size,
+                "zero_stage": self.stage,
+                "tag": "checkpoint",
+                "global_step": checkpoint.get("global_step"),
+                "epoch": checkpoint.get("epoch"),
+            })
+        self.barrier("lightspeed_checkpoint_committed")
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        if path.is_dir() and not atomic_dir.is_complete(path):
+            if atomic_dir.staging_path(path).exists() or not (path / "latest").is_file():
+                atomic_dir.require_complete(path)  # raises with the explanation
+            rank_zero_warn(
+                f"Checkpoint {str(path)!r} was not written by lightspeed (no completion marker); loading it as a "
+                "plain DeepSpeed checkpoint."
+            )
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+
+def _one_optimizer_error(returned: str) -> DeepSpeedConfigError:
+    return DeepSpeedConfigError(
+        f"ZeRO strategies train with exactly one optimizer, but `configure_optimizers` returned {returned}. Use one "
+        "optimizer with several param groups (each group can have its own lr and weight_decay)."
+    )
+
+
+def register(registry: Any) -> None:
+    """Add ``zero1`` ... ``zero3_nvme`` to Lightning's StrategyRegistry."""
+    ZeroStrategy.register_strategies(registry)

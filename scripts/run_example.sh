@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The main job, from a fresh machine: set up .venv, then train a small transformer LM with zero3_offload on 2 CPU
+# processes (all GPUs when CUDA is present), evaluate with exact distributed metrics, export to safetensors and
+# reload. Extra arguments go to examples/train_lm.py (see --help).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python examples/train_lm.py "$@"

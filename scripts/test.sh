@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: sets up .venv (and .venv-xla for the XLA tests), then runs pytest.
+# Exit status is non-zero if any test fails or if pytest collects no tests (pytest's exit code 5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+bash scripts/setup_xla.sh
+
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+echo "[test] main suite (.venv: torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
+.venv/bin/python -m pytest "$@"
+
+if [ -f .venv-xla/SKIP_REASON ]; then
+  echo "[test] XLA suite SKIPPED: $(cat .venv-xla/SKIP_REASON)"
+else
+  echo "[test] XLA suite (.venv-xla: torch_xla on PJRT CPU)"
+  PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -m xla -p no:cacheprovider tests/plugins tests/strategies
+fi

@@ -1,0 +1,41 @@
+"""Worker: provoke the setup-time errors of ZeroStrategy in one process and record each message (type: text)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+from torch.utils.data import DataLoader
+
+import lightspeed  # noqa: F401
+from _support.models import RegressionModule, make_regression_data
+from lightspeed.strategies import ZeroStrategy
+
+
+def attempt(strategy, module, **trainer_kwargs) -> str:
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, **trainer_kwargs)
+    try:
+        trainer.fit(module, DataLoader(make_regression_data(), batch_size=4))
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    results = {
+        "two_optimizers": attempt("zero2", RegressionModule(optimizer="two")),
+        "sgd_offload": attempt("zero2_offload", RegressionModule(optimizer="sgd")),
+        "mismatch": attempt(
+            ZeroStrategy(stage=2, config={"gradient_accumulation_steps": 8, "gradient_clipping": 0.5}),
+            RegressionModule(), accumulate_grad_batches=4, gradient_clip_val=1.0,
+        ),
+    }
+    out.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

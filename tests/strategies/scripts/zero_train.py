@@ -1,0 +1,56 @@
+"""Worker: train RegressionModule under several lightspeed strategies on the ranks of one launch and save the
+gathered weights (rank 0) for comparison with a single-process reference.
+
+usage: zero_train.py OUT_DIR NAME[,NAME...] [--steps K] [--devices N] [--batch B]
+Each NAME is a registered strategy name (zero1, zero3_offload, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+import lightspeed  # noqa: F401  (registers the strategy names)
+from _support.models import RegressionModule, full_state_dict, make_regression_data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("names")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--precision", default="32-true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    for name in args.names.split(","):
+        L.seed_everything(0, verbose=False)
+        model = RegressionModule()
+        trainer = L.Trainer(
+            strategy=name, accelerator=args.accelerator, devices=args.devices, precision=args.precision, max_steps=args.steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(model, DataLoader(make_regression_data(), batch_size=args.batch))
+        weights = full_state_dict(trainer.strategy.deepspeed_engine.module)
+        optimizer = trainer.strategy.deepspeed_engine.optimizer
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if trainer.is_global_zero:
+            torch.save(weights, args.out / f"{name}.pt")
+            (args.out / f"{name}.json").write_text(json.dumps({
+                "world_size": trainer.world_size,
+                "global_step": trainer.global_step,
+                "optimizer": type(inner).__name__,
+                "config": trainer.strategy.resolved_config,
+            }, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Bad input to the ZeRO strategies: each is one clear exception, raised before training starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+import lightspeed  # noqa: F401
+from _support.launch import REPO_ROOT, run_python
+from lightspeed.core.deepspeed_config import DeepSpeedConfigError
+from lightspeed.strategies import ZeroStrategy
+from lightspeed.strategies.zero import NVME_PATH_ENV, ZERO_STRATEGY_PRESETS
+
+SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_errors.py"
+
+
+def test_all_names_are_registered_with_their_presets() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    expected = {"zero1", "zero1_offload", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_nvme"}
+    assert expected <= set(StrategyRegistry.available_strategies())
+    for name in expected:
+        entry = StrategyRegistry[name]
+        assert entry["strategy"] is ZeroStrategy
+        assert entry["init_params"] == ZERO_STRATEGY_PRESETS[name][0]
+
+
+@pytest.mark.parametrize(
+    ("name", "stage", "optimizer_device", "param_device"),
+    [("zero1", 1, None, None), ("zero2_offload", 2, "cpu", None), ("zero3_offload", 3, "cpu", "cpu")],
+)
+def test_trainer_builds_the_named_preset_on_cpu(name, stage, optimizer_device, param_device) -> None:
+    trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    strategy = trainer.strategy
+    assert isinstance(strategy, ZeroStrategy)
+    zero = strategy.config["zero_optimization"]
+    assert zero["stage"] == stage
+    assert zero.get("offload_optimizer", {}).get("device") == optimizer_device
+    assert zero.get("offload_param", {}).get("device") == param_device
+    assert os.environ["DS_ACCELERATOR"] == "cpu"  # chosen for the user, inherited by every rank
+
+
+def test_missing_config_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.json"
+    with pytest.raises(DeepSpeedConfigError, match=f"DeepSpeed config file '{re.escape(str(missing))}' does not exist"):
+        ZeroStrategy(stage=2, config=missing)
+
+
+def test_invalid_json(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 2,}}')
+    with pytest.raises(DeepSpeedConfigError, match=r"is not valid JSON: .* at line 1, column 35"):
+        ZeroStrategy(stage=2, config=bad)
+
+
+def test_unknown_key_suggests_the_closest(tmp_path: Path) -> None:
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps({"gradient_clippping": 1.0}))
+    with pytest.raises(DeepSpeedConfigError, match=r"'gradient_clippping' \(did you mean 'gradient_clipping'\?\)"):
+        ZeroStrategy(stage=2, config=path)
+
+
+@pytest.mark.parametrize("stage", [4, -1, "2", True])
+def test_stage_outside_range(stage) -> None:
+    with pytest.raises(DeepSpeedConfigError, match=re.escape(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}.")):
+        ZeroStrategy(stage=stage)
+
+
+def test_nvme_without_a_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(NVME_PATH_ENV, raising=False)
+    with pytest.raises(DeepSpeedConfigError, match=r"NVMe offload needs a directory .* set the environment variable "
+                                                   f"{NVME_PATH_ENV}"):
+        L.Trainer(strategy="zero3_nvme", accelerator="cpu", devices=2)
+
+
+def test_nvme_path_not_writable(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(DeepSpeedConfigError, match=r"NVMe offload path .* cannot be created"):
+        ZeroStrategy(stage=3, offload_optimizer="nvme", offload_parameters="nvme", nvme_path=blocker / "sub")
+
+
+def test_nvme_path_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NVME_PATH_ENV, str(tmp_path / "swap"))
+    trainer = L.Trainer(strategy="zero3_nvme", accelerator="cpu", devices=2, logger=False)
+    zero = trainer.strategy.config["zero_optimization"]
+    assert zero["offload_param"]["nvme_path"] == zero["offload_optimizer"]["nvme_path"] == str(tmp_path / "swap")
+    assert (tmp_path / "swap").is_dir()
+
+
+def test_fp16_on_cpu_fails_before_any_process_starts() -> None:
+    with pytest.raises(DeepSpeedConfigError, match=r"`precision='16-mixed'` needs a CUDA GPU"):
+        L.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision="16-mixed")
+
+
+def test_unknown_offload_target() -> None:
+    with pytest.raises(DeepSpeedConfigError, match=r"`offload_optimizer='gpu'` is not an offload target"):
+        ZeroStrategy(stage=2, offload_optimizer="gpu")
+
+
+@pytest.fixture(scope="module")
+def setup_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("zero_errors") / "errors.json"
+    run_python(SCRIPT, [out])
+    return json.loads(out.read_text())
+
+
+def test_two_optimizers(setup_errors) -> None:
+    assert setup_errors["two_optimizers"].startswith(
+        "DeepSpeedConfigError: ZeRO strategies train with exactly one optimizer, but `configure_optimizers` returned "
+        "several optimizers. Use one optimizer with several param groups"
+    )
+
+
+def test_offloaded_optimizer_without_cpu_implementation(setup_errors) -> None:
+    assert setup_errors["sgd_offload"].startswith(
+        "UnsupportedOffloadOptimizerError: Optimizer offload runs the optimizer on the CPU, and `SGD` has no DeepSpeed "
+        "CPU implementation."
+    )
+
+
+def test_config_contradicting_the_trainer_lists_every_mismatch(setup_errors) -> None:
+    message = setup_errors["mismatch"]
+    assert message.startswith("DeepSpeedConfigError")
+    assert "gradient_accumulation_steps=8 in the DeepSpeed config, but Trainer(accumulate_grad_batches=4)" in message
+    assert "gradient_clipping=0.5" in message and "gradient_clip_val=1.0" in message
