@@ -34,13 +34,14 @@ echo "[setup] building DeepSpeed CPU ops (cached after the first time)"
 DS_ACCELERATOR=cpu python - <<'PYEOF'
 import warnings
 warnings.filterwarnings("ignore")
-from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
-CPUAdamBuilder().load(verbose=False)
-aio = AsyncIOBuilder()
-if aio.is_compatible(verbose=False):
-    aio.load(verbose=False)
-    print("[setup] async_io ready (NVMe offload available)")
-else:
-    print("[setup] async_io not compatible here (libaio-dev missing): NVMe offload unavailable")
+from deepspeed.accelerator import get_accelerator
+accelerator = get_accelerator()
+for name in ("CPUAdamBuilder", "ShareMemCommBuilder", "PinMemoryBuilder", "AsyncIOBuilder"):
+    builder = accelerator.create_op_builder(name)
+    if builder is not None and builder.is_compatible(verbose=False):
+        builder.load(verbose=False)
+        print(f"[setup] DeepSpeed op {builder.NAME} ready")
+    else:
+        print(f"[setup] DeepSpeed op {name} not buildable here" + (" (NVMe offload unavailable: install libaio-dev)" if name == "AsyncIOBuilder" else ""))
 PYEOF
 echo "[setup] done: .venv is ready"

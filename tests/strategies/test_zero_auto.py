@@ -11,9 +11,18 @@ import pytest
 import torch
 
 from _support.launch import REPO_ROOT, run_torchrun
-from _support.models import RegressionModule, make_regression_data, reference_training
+from _support.models import RegressionModule, reference_training
 from lightspeed.core.deepspeed_config import DeepSpeedConfigError
-from lightspeed.core.memory import Accounting, Budgets, Cluster, MemoryPlanError, count_parameters, estimate_all, plan
+from lightspeed.core.memory import (
+    Accounting,
+    Budgets,
+    Cluster,
+    MemoryPlanError,
+    count_parameters,
+    estimate_all,
+    format_size,
+    plan,
+)
 from strategies.scripts.zero_auto_models import DeepRegressionModule, make_deep_net
 from strategies.scripts.zero_auto_models import reference_training as deep_reference_training
 
@@ -121,7 +130,12 @@ def test_tighter_host_memory_moves_to_zero3_with_parameter_offload(results, deep
 def test_nothing_fits_stops_with_what_would(results):
     error = _meta(results, "nothing_fits")["error"]
     assert error.startswith("No ZeRO option fits 708 parameters on 1 node(s) x 2 device(s) with a 20% safety margin.")
-    assert "host" in error and "GiB usable" in error
+    # 1000 bytes of host memory, 80% usable; the smallest option (ZeRO-2 offload for this model) needs kilobytes
+    counts = count_parameters(RegressionModule())
+    smallest = next(e for e in estimate_all(counts, Cluster(DEVICES), ACCOUNTING) if e.option.name == "zero2_offload")
+    need = format_size(DEVICES * smallest.device.total + smallest.host.total)
+    assert f"The smallest, zero2_offload, is too big: host {need} of {format_size(800)} usable" in error
+    assert error.endswith("use a smaller model or devices with more memory.")
 
 
 def test_registered_and_rejects_what_it_chooses_itself():

@@ -2,7 +2,7 @@
 gathered weights (rank 0) for comparison with a single-process reference.
 
 usage: zero_train.py OUT_DIR NAME[,NAME...] [--steps K] [--devices N] [--batch B]
-Each NAME is a registered strategy name (zero1, zero3_offload, ...).
+Each NAME is a registered strategy name (zero1, zero3_offload, ...), optionally with a precision: zero2@bf16-mixed.
 """
 
 from __future__ import annotations
@@ -31,20 +31,24 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    for name in args.names.split(","):
+    for run_name in args.names.split(","):
+        name, _, precision = run_name.partition("@")
         L.seed_everything(0, verbose=False)
         model = RegressionModule()
         trainer = L.Trainer(
-            strategy=name, accelerator=args.accelerator, devices=args.devices, precision=args.precision, max_steps=args.steps, logger=False,
+            strategy=name, accelerator=args.accelerator, devices=args.devices, precision=precision or args.precision, max_steps=args.steps, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
         trainer.fit(model, DataLoader(make_regression_data(), batch_size=args.batch))
-        weights = full_state_dict(trainer.strategy.deepspeed_engine.module)
+        module = trainer.strategy.deepspeed_engine.module
+        dtypes = sorted({str(p.dtype) for p in module.parameters()})
+        weights = full_state_dict(module)
         optimizer = trainer.strategy.deepspeed_engine.optimizer
         inner = getattr(optimizer, "optimizer", optimizer)
         if trainer.is_global_zero:
-            torch.save(weights, args.out / f"{name}.pt")
-            (args.out / f"{name}.json").write_text(json.dumps({
+            torch.save(weights, args.out / f"{run_name}.pt")
+            (args.out / f"{run_name}.json").write_text(json.dumps({
+                "param_dtypes": dtypes,
                 "world_size": trainer.world_size,
                 "global_step": trainer.global_step,
                 "optimizer": type(inner).__name__,

@@ -1,0 +1,93 @@
+"""Worker: peak resident memory of short CPU ZeRO runs of a ~50M-parameter MLP, one strategy after another.
+
+Each rank first warms every strategy up on a tiny model (so code, threads and DeepSpeed's caches are loaded), then
+for each strategy: frees what it can, notes the resident memory as the baseline, resets the kernel's peak counter
+(/proc/self/clear_refs), builds the model, trains 2 steps and reads the peak (VmHWM). Writes rank<N>.json.
+
+usage: zero_auto_rss.py OUT_DIR NAME[,NAME...] --width W --depth D --batch B
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import re
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightspeed  # noqa: F401  (registers the strategy names)
+
+
+class WideMLP(L.LightningModule):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def _status_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+
+
+def _release() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap pages back, so the baseline is what is live
+    except OSError:
+        pass
+
+
+def _fit(name: str, model: L.LightningModule, width: int, batch: int, steps: int) -> L.Trainer:
+    data = TensorDataset(torch.randn(batch * 2 * steps, width), torch.randn(batch * 2 * steps, width))
+    trainer = L.Trainer(
+        strategy=name, accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=batch))
+    return trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("names")
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=2)
+    args = parser.parse_args()
+    names = args.names.split(",")
+    rank = int(os.environ["RANK"])
+
+    for name in names:  # warm-up: same code paths, negligible memory
+        _fit(name, WideMLP(64, 2), 64, args.batch, 1)
+    _release()
+
+    results = []
+    for name in names:
+        _release()
+        baseline = _status_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+        L.seed_everything(0, verbose=False)
+        model = WideMLP(args.width, args.depth)
+        trainer = _fit(name, model, args.width, args.batch, 2)
+        peak = _status_kib("VmHWM")
+        results.append({"name": name, "baseline_kib": baseline, "peak_kib": peak, "steps": trainer.global_step})
+        del trainer, model
+    (args.out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
