@@ -37,10 +37,17 @@ def make_data(n: int) -> TensorDataset:
 
 
 def make_model() -> nn.Module:
-    from train_lm import TinyGPT  # examples/train_lm.py
+    from tiny_lm import TinyGPT  # examples/tiny_lm.py
 
     torch.manual_seed(0)
     return TinyGPT(VOCAB, CONTEXT, width=256, depth=4, heads=4)
+
+
+def rank_loader(data: TensorDataset, batch: int) -> DataLoader:
+    """This rank's shard, in order (the process group may not exist yet: ranks come from torchrun's environment)."""
+    sampler = DistributedSampler(data, num_replicas=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]),
+                                 shuffle=False)
+    return DataLoader(data, batch_size=batch, sampler=sampler)
 
 
 def lm_loss(net: nn.Module, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -82,8 +89,7 @@ def time_trainer(name: str, args: argparse.Namespace, data: TensorDataset) -> tu
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[clock], use_distributed_sampler=False,
     )
-    loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, shuffle=False))
-    trainer.fit(Module(), loader)
+    trainer.fit(Module(), rank_loader(data, args.batch))
     config = getattr(trainer.strategy, "resolved_config", None) or trainer.strategy.config
     return clock.end - clock.start, config
 
@@ -103,7 +109,7 @@ def time_engine_loop(config: dict, offload: bool, args: argparse.Namespace, data
         args=argparse.Namespace(device_rank=local_rank), model=net, optimizer=optimizer, config=config,
         model_parameters=[p for p in net.parameters() if p.requires_grad], dist_init_required=False,
     )
-    loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, shuffle=False))
+    loader = rank_loader(data, args.batch)
     device = engine.device
     start = 0.0
     for step, (ids, target) in enumerate(loader):

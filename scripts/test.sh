@@ -14,5 +14,5 @@ if [ -f .venv-xla/SKIP_REASON ]; then
   echo "[test] XLA suite SKIPPED: $(cat .venv-xla/SKIP_REASON)"
 else
   echo "[test] XLA suite (.venv-xla: torch_xla on PJRT CPU)"
-  PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -m xla -p no:cacheprovider tests/plugins tests/strategies
+  PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -m xla -p no:cacheprovider tests/plugins/test_xla*.py tests/strategies/test_xla*.py
 fi

@@ -81,3 +81,21 @@ def test_deepspeed_optimizer_passes_through() -> None:
 
     optimizer = DeepSpeedCPUAdam(_params(), lr=1e-3)
     assert to_deepspeed_cpu_adam(optimizer) is optimizer
+
+
+def test_scheduler_follows_the_converted_optimizer_without_warnings() -> None:
+    import warnings
+
+    from lightspeed.core.cpu_optimizer import retarget_lr_scheduler
+
+    params = _params()
+    original = torch.optim.AdamW(params, lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(original, step_size=1, gamma=0.5)
+    converted = to_deepspeed_cpu_adam(original)
+    retarget_lr_scheduler(scheduler, converted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns if optimizer.step looks overridden or was not called first
+        _run(converted, params, steps=1)
+        scheduler.step()
+    assert converted.param_groups[0]["lr"] == pytest.approx(5e-3)
+    assert original.param_groups[0]["lr"] == pytest.approx(1e-2)  # the original is no longer driven

@@ -43,3 +43,10 @@ def test_half_precision_trains_on_cuda(tmp_path, precision) -> None:
     reference = reference_training(steps=4, world_size=devices, batch=4)
     weights = torch.load(tmp_path / "zero2.pt")
     assert (weights["net.0.weight"] - reference["net.0.weight"]).abs().max().item() <= 5e-2
+
+
+def test_cpu_accelerator_never_initialises_cuda_on_a_gpu_machine(tmp_path) -> None:
+    # a GPU is visible, DeepSpeed would pick it by itself; accelerator="cpu" must keep every rank off CUDA
+    run_torchrun(SCRIPT, 2, [tmp_path, "zero3_offload", "--steps", 2, "--accelerator", "cpu"])
+    meta = json.loads((tmp_path / "zero3_offload.json").read_text())
+    assert meta["cuda_initialized"] is False

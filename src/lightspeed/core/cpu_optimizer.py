@@ -7,6 +7,8 @@ parameter groups and hyperparameters, so nothing in their module changes.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any
 
 import torch
@@ -65,6 +67,28 @@ def to_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
         adamw_mode=isinstance(optimizer, torch.optim.AdamW),
     )
     return converted
+
+
+def retarget_lr_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point an LR scheduler created for the original optimizer at its converted replacement.
+
+    The converted optimizer carries the same param groups (with the scheduler's ``initial_lr``), so only the reference
+    changes. torch's schedulers also wrap ``optimizer.step`` to check the call order; the replacement gets the same
+    marker, otherwise every run would warn that ``optimizer.step()`` was overridden.
+    """
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+    optimizer_ref = weakref.ref(optimizer)
+
+    @functools.wraps(step)
+    def tracked_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer_ref()._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked_step  # type: ignore[method-assign]
 
 
 def describe_conversion(original: torch.optim.Optimizer, converted: torch.optim.Optimizer) -> str:

@@ -49,6 +49,7 @@ def main() -> None:
             torch.save(weights, args.out / f"{run_name}.pt")
             (args.out / f"{run_name}.json").write_text(json.dumps({
                 "param_dtypes": dtypes,
+                "cuda_initialized": torch.cuda.is_initialized(),
                 "world_size": trainer.world_size,
                 "global_step": trainer.global_step,
                 "optimizer": type(inner).__name__,
