@@ -7,6 +7,9 @@ import importlib
 # Each module listed here defines ``register(registry)``; add a line when a new strategy module lands.
 _STRATEGY_MODULES = (
     "lightspeed.strategies.zero",
+    "lightspeed.strategies.ddp_exact",
+    "lightspeed.strategies.xla",
+    "lightspeed.strategies.zero_auto",
 )
 
 

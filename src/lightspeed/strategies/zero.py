@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from lightspeed.core import atomic_dir
-from lightspeed.core.cpu_optimizer import describe_conversion, to_deepspeed_cpu_adam
+from lightspeed.core.cpu_optimizer import describe_conversion, retarget_lr_scheduler, to_deepspeed_cpu_adam
 from lightspeed.core.deepspeed_config import (
     DeepSpeedConfigError,
     OptimizerFacts,
@@ -52,6 +52,7 @@ from lightspeed.core.deepspeed_runtime import (
     export_deepspeed_accelerator,
     use_deepspeed_accelerator,
 )
+from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationMixin
 
 if TYPE_CHECKING:
     import deepspeed
@@ -124,7 +125,7 @@ def _checked_nvme_path(nvme_path: Optional[_PATH]) -> str:
     return str(path.resolve())
 
 
-class ZeroStrategy(DeepSpeedStrategy):
+class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
     """DeepSpeed ZeRO for Lightning, on ``accelerator="cuda"`` (nccl) and ``accelerator="cpu"`` (gloo).
 
     Args:
@@ -139,6 +140,9 @@ class ZeroStrategy(DeepSpeedStrategy):
         sub_group_size: ZeRO-3 optimizer sub-group size (elements), None for DeepSpeed's default.
         config: DeepSpeed config dict or JSON path merged over the preset (its values win). ``"auto"`` is allowed
             wherever HF-style configs use it. Unknown keys and values that contradict Trainer arguments are errors.
+        sync_with_dataloader: exact gradient accumulation (see ``DeepSpeedExactAccumulationMixin``): ``True`` steps
+            the short last window of an epoch with its gradient scaled to its real size; ``False`` requires full
+            windows.
     """
 
     strategy_name = "zero"
@@ -165,6 +169,7 @@ class ZeroStrategy(DeepSpeedStrategy):
         logging_level: int = logging.WARN,
         exclude_frozen_parameters: bool = False,
         load_full_weights: bool = False,
+        sync_with_dataloader: bool = True,
     ) -> None:
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
             raise DeepSpeedConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}.")
@@ -200,6 +205,7 @@ class ZeroStrategy(DeepSpeedStrategy):
             logging_level=logging_level,
             exclude_frozen_parameters=exclude_frozen_parameters,
             load_full_weights=load_full_weights,
+            sync_with_dataloader=sync_with_dataloader,
         )
         self.config = merged  # unresolved until setup: "auto" values need the Trainer and the model
         self.stage = self.config.get("zero_optimization", {}).get("stage", stage)
@@ -367,7 +373,7 @@ class ZeroStrategy(DeepSpeedStrategy):
             if converted is not optimizer:
                 rank_zero_info(describe_conversion(optimizer, converted))
                 if scheduler is not None:
-                    scheduler.scheduler.optimizer = converted
+                    retarget_lr_scheduler(scheduler.scheduler, converted)
                 optimizer = converted
         return optimizer, scheduler
 

@@ -75,9 +75,35 @@ def rank_batches(n: int, world_size: int, rank: int, batch_size: int) -> list[li
 
 
 def windows(n: int, world_size: int, batch_size: int, accumulate: int) -> list[list[int]]:
-    """Sample indices of each optimizer step's big batch: ``accumulate`` batches of every rank; the last may be short."""
+    """Sample indices of each step's big batch: ``accumulate`` batches of every rank (the last window may be short)."""
     per_rank = [rank_batches(n, world_size, r, batch_size) for r in range(world_size)]
     steps = []
     for start in range(0, len(per_rank[0]), accumulate):
         steps.append(sorted(i for batches in per_rank for b in batches[start : start + accumulate] for i in b))
     return steps
+
+
+def reference_training(spec: dict, world_size: int) -> tuple[dict, float, int]:
+    """Plain PyTorch, one process: every optimizer step sees its whole window as one big batch and its mean loss.
+
+    Returns (state_dict, final learning rate, optimizer steps). ``spec`` is a worker case (task, batch_size per rank,
+    accumulate, lr, epochs, optional clip and scheduler).
+    """
+    data = make_data(spec["task"])
+    model = make_model(spec["task"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    scheduler = None
+    if spec.get("scheduler") == "steps":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step))
+    steps = windows(len(data[0]), world_size, spec["batch_size"], spec["accumulate"])
+    for _ in range(spec.get("epochs", 1)):
+        for indices in steps:
+            optimizer.zero_grad()
+            loss_sum, items = item_loss(spec["task"], model, tuple(t[indices] for t in data))
+            (loss_sum / items).backward()
+            if spec.get("clip"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+    return model.state_dict(), optimizer.param_groups[0]["lr"], len(steps) * spec.get("epochs", 1)

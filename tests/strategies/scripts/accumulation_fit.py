@@ -2,7 +2,7 @@
 
 Usage (under torchrun, 1 or 2 ranks): accumulation_fit.py CASES_JSON OUT_DIR
 Each case: name, strategy, task, batch_size (per rank), accumulate, epochs, lr, and optional scheduler ("steps":
-LambdaLR with lr = base * step), clip (gradient norm), iterable (no __len__), sync_with_dataloader,
+LambdaLR with lr = base * step), clip (gradient norm), precision, iterable (no __len__), sync_with_dataloader,
 return_num_items, non_scalar_loss, expect_error. Rank 0 saves OUT_DIR/<name>.pt.
 """
 
@@ -25,7 +25,11 @@ import lightspeed  # noqa: E402,F401  (registers ddp_exact)
 from accumulation_cases import item_loss, make_data, make_model, rank_batches  # noqa: E402
 
 
-REAL_ALL_REDUCE = dist.all_reduce  # the gradient hook uses it directly, so only other all-reduces are counted
+REAL_ALL_REDUCE = dist.all_reduce  # the DDP gradient hook uses it directly; its calls are counted by the hook
+COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
+               "all_gather_into_tensor", "broadcast")
+DS_COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter_fn", "reduce_scatter_tensor", "all_gather_into_tensor",
+                  "allgather_fn", "all_to_all_single", "broadcast")
 
 
 class ShardedIterable(IterableDataset):
@@ -47,7 +51,9 @@ class CaseModule(pl.LightningModule):
         self.case = case
         self.model = make_model(case["task"])
         self.counts = {"optimizer_step": 0, "on_before_optimizer_step": 0, "optimizer_zero_grad": 0, "lr_step": 0}
-        self.in_batch = False  # all-reduces are counted only inside training batches
+        self.in_batch = False  # collectives are counted only inside training batches
+        self.collectives: list[list[str]] = []  # per training batch: "op:dtype:numel" of torch.distributed calls
+        self.stepped: list[bool] = []  # per training batch: whether the optimizer stepped
 
     def training_step(self, batch, batch_idx):
         loss_sum, items = item_loss(self.case["task"], self.model, batch)
@@ -81,9 +87,11 @@ class CaseModule(pl.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx):
         self.in_batch = True
+        self.collectives.append([])
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.in_batch = False
+        self.stepped.append(self.counts["optimizer_step"] > sum(self.stepped))
 
     def on_train_start(self):
         # count DDP's gradient bucket all-reduces with a comm hook doing DDP's default (averaging) all-reduce
@@ -119,18 +127,32 @@ def run_case(case: dict, out_dir: Path) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_epochs=case["epochs"],
         accumulate_grad_batches=case["accumulate"], gradient_clip_val=case.get("clip"),
+        precision=case.get("precision", "32-true"),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, use_distributed_sampler=False,
     )
     module = CaseModule(case)
     item_allreduces = 0
+    real = {name: getattr(dist, name) for name in COLLECTIVES}
 
-    def counting_all_reduce(*args, **kwargs):
-        nonlocal item_allreduces
-        item_allreduces += int(module.in_batch)
-        return REAL_ALL_REDUCE(*args, **kwargs)
+    def counting(name):
+        def collective(*args, **kwargs):
+            nonlocal item_allreduces
+            if module.in_batch:
+                item_allreduces += int(name == "all_reduce")
+                tensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+                module.collectives[-1].append(f"{name}:{str(tensor.dtype).replace('torch.', '')}:{tensor.numel()}")
+            return real[name](*args, **kwargs)
+        return collective
 
-    dist.all_reduce = counting_all_reduce
+    for name in COLLECTIVES:
+        setattr(dist, name, counting(name))
+    if case["strategy"].startswith("zero"):  # ZeRO-3 reaches torch through functions deepspeed.comm captured
+        import deepspeed.comm as ds_comm
+
+        for name in DS_COLLECTIVES:
+            real[f"ds.{name}"] = getattr(ds_comm, name)
+            setattr(ds_comm, name, counting(f"ds.{name}"))
     error = None
     try:
         trainer.fit(module, loader)
@@ -139,14 +161,23 @@ def run_case(case: dict, out_dir: Path) -> None:
             raise
         error = f"{type(exc).__name__}: {exc}"
     finally:
-        dist.all_reduce = REAL_ALL_REDUCE
+        for name, function in real.items():
+            if name.startswith("ds."):
+                import deepspeed.comm as ds_comm
+
+                setattr(ds_comm, name[3:], function)
+            else:
+                setattr(dist, name, function)
     result = {
+        # the models are tiny, so ZeRO-3 keeps every parameter whole (below its persistence threshold)
         "state_dict": {k: v.detach().clone() for k, v in module.model.state_dict().items()},
         "counts": module.counts,
         "global_step": trainer.global_step,
         "lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
         "grad_allreduces": getattr(module, "grad_allreduces", None),
-        "item_allreduces": item_allreduces,
+        "item_allreduces": item_allreduces,  # torch.distributed.all_reduce calls inside batches
+        "collectives": module.collectives,
+        "stepped": module.stepped,
         "error": error,
     }
     if rank == 0:

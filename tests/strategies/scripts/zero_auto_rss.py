@@ -4,7 +4,8 @@ Each rank first warms every strategy up on a tiny model (so code, threads and De
 for each strategy: frees what it can, notes the resident memory as the baseline, resets the kernel's peak counter
 (/proc/self/clear_refs), builds the model, trains 2 steps and reads the peak (VmHWM). Writes rank<N>.json.
 
-usage: zero_auto_rss.py OUT_DIR NAME[,NAME...] --width W --depth D --batch B
+usage: zero_auto_rss.py OUT_DIR STAGE --width W --depth D --batch B [--config JSON]
+STAGE is the ZeRO stage of a lightspeed ZeroStrategy; --config is merged into its DeepSpeed config.
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ def _release() -> None:
         pass
 
 
-def _fit(name: str, model: L.LightningModule, width: int, batch: int, steps: int) -> L.Trainer:
+def _fit(stage: int, config: dict, model: L.LightningModule, width: int, batch: int, steps: int) -> L.Trainer:
+    from lightspeed.strategies.zero import ZeroStrategy
+
     data = TensorDataset(torch.randn(batch * 2 * steps, width), torch.randn(batch * 2 * steps, width))
     trainer = L.Trainer(
-        strategy=name, accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
+        strategy=ZeroStrategy(stage=stage, config=config), accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(data, batch_size=batch))
@@ -63,30 +66,25 @@ def _fit(name: str, model: L.LightningModule, width: int, batch: int, steps: int
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("names")
+    parser.add_argument("stage", type=int)
+    parser.add_argument("--config", default="{}")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--batch", type=int, default=2)
     args = parser.parse_args()
-    names = args.names.split(",")
+    config = json.loads(args.config)
     rank = int(os.environ["RANK"])
 
-    for name in names:  # warm-up: same code paths, negligible memory
-        _fit(name, WideMLP(64, 2), 64, args.batch, 1)
+    _fit(args.stage, config, WideMLP(64, 2), 64, args.batch, 1)  # warm-up: same code paths, negligible memory
     _release()
-
-    results = []
-    for name in names:
-        _release()
-        baseline = _status_kib("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
-        L.seed_everything(0, verbose=False)
-        model = WideMLP(args.width, args.depth)
-        trainer = _fit(name, model, args.width, args.batch, 2)
-        peak = _status_kib("VmHWM")
-        results.append({"name": name, "baseline_kib": baseline, "peak_kib": peak, "steps": trainer.global_step})
-        del trainer, model
-    (args.out / f"rank{rank}.json").write_text(json.dumps(results))
+    baseline = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+    L.seed_everything(0, verbose=False)
+    model = WideMLP(args.width, args.depth)
+    trainer = _fit(args.stage, config, model, args.width, args.batch, 2)
+    peak = _status_kib("VmHWM")
+    result = {"stage": args.stage, "baseline_kib": baseline, "peak_kib": peak, "steps": trainer.global_step}
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+"""``lightspeed estimate``: model-state memory of every ZeRO option, which fit this machine, and the pick."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+from lightspeed.cli.main import EXIT_OK, EXIT_USER_ERROR, UsageError
+
+_EPILOG = """\
+examples:
+  lightspeed estimate my_pkg.models:build_model --devices 8 --nodes 2 --precision bf16-mixed
+  lightspeed estimate --params 7e9 --largest-layer 1.3e8 --devices 1 --gpu-memory 80GB --cpu-memory 256GB
+
+The factory is called with no arguments inside `with torch.device("meta")`, so even a 70B model costs no memory.
+Sizes: 80GB (10^9 bytes), 80GiB or 80G (2^30), or a bare number of GiB. Exit code 2 when no option fits.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "estimate",
+        help="estimate ZeRO memory per device and per host, and pick the fastest option that fits",
+        description="Estimate the memory of parameters, gradients and optimizer states per device and per host for "
+        "every ZeRO option (DeepSpeed's accounting, extended to ZeRO-1, NVMe and several nodes), mark which fit, "
+        "and pick the fastest that does.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("factory", nargs="?", help="package.module:function (or :Class) that returns the nn.Module")
+    parser.add_argument("--params", help="total parameter count instead of a factory, e.g. 7e9")
+    parser.add_argument("--largest-layer", help="parameters of the largest single module (with --params), e.g. 1.3e8")
+    parser.add_argument("--devices", type=int, help="devices (processes) per node; default: GPUs here, else 1")
+    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--precision", default="bf16-mixed",
+                        help="Lightning precision: bf16-mixed (default), 16-mixed, bf16-true, 16-true or 32-true")
+    parser.add_argument("--optimizer-state-bytes", type=int, default=8,
+                        help="optimizer state per parameter: 8 for Adam/AdamW (default), 4 SGD+momentum, 0 SGD")
+    parser.add_argument("--gpu-memory", help="memory per device instead of the free memory of the GPUs here")
+    parser.add_argument("--cpu-memory", help="host memory per node instead of the memory available here")
+    parser.add_argument("--nvme-path", help="directory on the NVMe drive; its free space is the NVMe budget")
+    parser.add_argument("--zero-init", action="store_true",
+                        help="the model is built partitioned (LightningModule.configure_model / deepspeed.zero.Init)")
+    parser.add_argument("--safety-margin", type=float, default=None,
+                        help="fraction of every budget kept free for activations and buffers (default 0.2)")
+    parser.add_argument("--buffer-factor", type=float, default=1.5, help="DeepSpeed's host buffer factor (1.5)")
+    parser.add_argument("--json", action="store_true", help="print JSON (all sizes in bytes) instead of a table")
+
+
+def _counts(args: argparse.Namespace):
+    from lightspeed.core.memory import ModelCounts, counts_from_factory, parse_count
+
+    if args.factory and (args.params or args.largest_layer):
+        raise UsageError("give either a model factory or --params/--largest-layer, not both.")
+    if args.factory:
+        return counts_from_factory(args.factory)
+    if not args.params:
+        raise UsageError("say what to estimate: a model factory (my_pkg.models:build_model) or --params N --largest-layer M.")
+    if not args.largest_layer:
+        raise UsageError("--params needs --largest-layer: the parameter count of the biggest single module "
+                         "(often the token embedding, vocab_size x hidden_size); ZeRO-3 gathers it in full.")
+    return ModelCounts(parse_count(args.params, "--params"), parse_count(args.largest_layer, "--largest-layer"))
+
+
+def _budgets(args: argparse.Namespace):
+    from lightspeed.core.memory import Budgets, cuda_memory_free, host_memory_available, nvme_free, parse_size
+
+    device = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else cuda_memory_free()
+    host = parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else host_memory_available()
+    unusable = None
+    if args.nvme_path:
+        from lightspeed.core.deepspeed_runtime import async_io_problem
+
+        unusable = async_io_problem()
+    return Budgets(device, host, nvme_free(args.nvme_path), unusable)
+
+
+def _devices(args: argparse.Namespace) -> int:
+    if args.devices is not None:
+        return args.devices
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightspeed.core.memory import (
+        DEFAULT_SAFETY_MARGIN,
+        Accounting,
+        Cluster,
+        explain_no_fit,
+        format_table,
+        plan,
+        plan_to_dict,
+    )
+
+    counts = _counts(args)
+    cluster = Cluster(_devices(args), args.nodes)
+    accounting = Accounting(precision=args.precision, optimizer_state_bytes=args.optimizer_state_bytes,
+                            buffer_factor=args.buffer_factor, zero_init=args.zero_init)
+    margin = DEFAULT_SAFETY_MARGIN if args.safety_margin is None else args.safety_margin
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; stdout is for the result
+        budgets = _budgets(args)
+    result = plan(counts, cluster, budgets, accounting, margin)
+    if args.json:
+        print(json.dumps(plan_to_dict(result), indent=2))
+    else:
+        print(format_table(result))
+    if result.choice is None:
+        print(f"lightspeed estimate: error: {explain_no_fit(result)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return EXIT_OK

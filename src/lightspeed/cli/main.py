@@ -1,0 +1,90 @@
+"""The ``lightspeed`` console script: one command with subcommands ``env``, ``test``, ``estimate``, ``config`` and
+``export``.
+
+Each subcommand lives in ``lightspeed.cli.<name>_command`` and defines ``add_parser(subparsers)`` and
+``run(args) -> int``. They are imported lazily, one at a time, so ``lightspeed --help`` stays fast and works
+even when one of them cannot be imported. Exit codes: 0 success, 1 a check failed (``lightspeed test``),
+2 a user error (one message on stderr, no traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS = ("env", "test", "estimate", "config", "export")
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for; ``main`` prints the message and exits with code 2."""
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions that report user mistakes with a message meant to be read, not a traceback."""
+    types: list[type[BaseException]] = [UsageError]
+    for module_name, class_name in (
+        ("lightspeed.core.memory.errors", "MemoryPlanError"),
+        ("lightspeed.core.deepspeed_config.errors", "DeepSpeedConfigError"),
+    ):
+        try:
+            types.append(getattr(importlib.import_module(module_name), class_name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(types)
+
+
+def _load_subcommand(name: str):
+    module_name = f"lightspeed.cli.{name}_command"
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name == module_name:  # not written yet / not installed: leave it out of the command list
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand that can be imported."""
+    from lightspeed import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="lightspeed",
+        description="DeepSpeed ZeRO for PyTorch Lightning: check this machine, plan memory, print configs, export.",
+    )
+    parser.add_argument("--version", action="version", version=f"lightspeed {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        module = _load_subcommand(name)
+        if module is None:
+            continue
+        before = set(subparsers.choices)
+        module.add_parser(subparsers)
+        for added in set(subparsers.choices) - before:
+            subparsers.choices[added].set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the subcommand and return its exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USER_ERROR
+    try:
+        return int(run(args) or EXIT_OK)
+    except _user_error_types() as error:
+        print(f"lightspeed {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"lightspeed {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Memory planner: DeepSpeed-compatible estimates of ZeRO model-state memory, and the choice of the fastest
+option that fits a machine. Plain PyTorch; no Lightning imports."""
+
+from lightspeed.core.memory.accounting import (
+    ZERO_OPTIONS,
+    Accounting,
+    Cluster,
+    DeviceMemory,
+    HostMemory,
+    ModelCounts,
+    OptionEstimate,
+    ZeroOption,
+    estimate_all,
+    estimate_option,
+)
+from lightspeed.core.memory.errors import MemoryPlanError
+from lightspeed.core.memory.measure import (
+    count_parameters,
+    counts_from_factory,
+    cuda_memory_free,
+    host_memory_available,
+    nvme_free,
+    resolve_factory,
+)
+from lightspeed.core.memory.report import format_table, plan_to_dict
+from lightspeed.core.memory.selection import (
+    DEFAULT_SAFETY_MARGIN,
+    Budgets,
+    Plan,
+    Verdict,
+    assess,
+    explain_no_fit,
+    plan,
+    suggestions,
+)
+from lightspeed.core.memory.sizes import GIB, format_gib, format_short, format_size, parse_count, parse_size
+
+__all__ = [
+    "ZERO_OPTIONS", "Accounting", "Cluster", "DeviceMemory", "HostMemory", "ModelCounts", "OptionEstimate",
+    "ZeroOption", "estimate_all", "estimate_option", "MemoryPlanError", "count_parameters", "counts_from_factory",
+    "cuda_memory_free", "host_memory_available", "nvme_free", "resolve_factory", "format_table", "plan_to_dict",
+    "DEFAULT_SAFETY_MARGIN", "Budgets", "Plan", "Verdict", "assess", "explain_no_fit", "plan", "suggestions",
+    "GIB", "format_gib", "format_short", "format_size", "parse_count", "parse_size",
+]

@@ -1,0 +1,36 @@
+"""``ddp_exact``: Lightning's DDP with gradient accumulation that equals the big batch.
+
+Non-boundary micro-batches run under DDP's ``no_sync`` (no gradient all-reduce); the boundary micro-batch all-reduces
+the accumulated gradients once, then one small all-reduce of the window's item count turns them into the gradient of
+the mean loss over every item of the window on every rank (see :mod:`lightspeed.strategies.exact_accumulation`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightspeed.strategies.exact_accumulation import ExactAccumulationMixin
+
+
+class DDPExactStrategy(ExactAccumulationMixin, DDPStrategy):
+    """``DDPStrategy`` whose ``accumulate_grad_batches`` gives exactly the big-batch gradient.
+
+    Accepts every ``DDPStrategy`` argument plus ``sync_with_dataloader`` (see
+    :class:`~lightspeed.strategies.exact_accumulation.ExactAccumulationMixin`).
+    """
+
+    strategy_name = "ddp_exact"
+
+
+def register(registry: Any) -> None:
+    """Add ``ddp_exact`` to Lightning's strategy registry (idempotent)."""
+    if DDPExactStrategy.strategy_name in registry:
+        return
+    registry.register(
+        DDPExactStrategy.strategy_name,
+        DDPExactStrategy,
+        description="DDP with exact gradient accumulation (short last window, item weighting, no_sync)",
+        start_method="popen",
+    )

@@ -1,0 +1,244 @@
+"""Exact gradient accumulation for any Lightning strategy, as a mixin placed before the Lightning base class.
+
+Lightning's automatic optimization divides every micro-batch loss by ``accumulate_grad_batches`` (``N``), steps on
+every ``N``-th micro-batch or the last one of the epoch, and runs the other micro-batches under
+``strategy.block_backward_sync()``. The mixin keeps that loop (so ``optimizer_step``, ``on_before_optimizer_step``,
+``optimizer_zero_grad`` and ``interval="step"`` schedulers run once per real step) and changes three strategy hooks:
+
+* ``training_step``: checks the loss is a scalar, reads ``num_items`` from a returned dict (else counts the batch's
+  samples) and records the micro-batch in a :class:`~lightspeed.core.accumulation.ExactAccumulator`;
+* ``backward``: multiplies the ``N``-normalised loss back to a sum over items (``N`` for a summed loss, ``N * b`` for
+  a mean over ``b`` samples);
+* ``optimizer_step``: after the boundary micro-batch's backward (gradients synced), all-reduces the window's item
+  count once and multiplies the gradients by ``W / T`` before ``on_before_optimizer_step`` and clipping see them.
+
+The result is the gradient of the mean loss over every item the window saw on every rank (proof in
+:mod:`lightspeed.core.accumulation_weights`), for full windows, the short last window of an epoch and uneven items.
+
+Where the data has no length (an ``IterableDataset``) Lightning's prefetching fetcher still learns that a batch is
+the last one before running it, so the short last window steps at the epoch end and its gradient is scaled at step
+time by the items it really saw; nothing needs the window size in advance. With a ``training_step`` that takes a
+``dataloader_iter``, the end is only seen at ``StopIteration`` after the last micro-batch: Lightning leaves the epoch
+without stepping and that partial window is zeroed at the next window start, as in plain Lightning.
+
+Strategies adapt it through overridable methods: :meth:`_exact_scale_gradients` (where the gradients live),
+:meth:`_exact_all_reduce_sum` (the collective), ``_exact_gradients_averaged`` (whether the gradient sync averages
+or sums over ranks) and the :meth:`_exact_before_boundary` / :meth:`_exact_after_step` hooks.
+:class:`DeepSpeedExactAccumulationMixin` is the version for Lightning's ``DeepSpeedStrategy`` (the ZeRO family).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from typing import Any, Callable
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightspeed.core.accumulation import ExactAccumulator, count_samples, distributed_sum, scale_gradients
+
+
+class ExactAccumulationMixin:
+    """Makes ``accumulate_grad_batches`` produce the big-batch gradient; mix in before a Lightning ``Strategy``.
+
+    Args:
+        sync_with_dataloader: ``True`` (default): the short last window of an epoch steps with its gradient scaled to
+            its real size. ``False``: every window must hold exactly ``accumulate_grad_batches`` micro-batches; a
+            short one raises (Lightning's loop always steps at the end of an epoch and zeroes gradients at the start
+            of the next, so windows cannot run on across epochs).
+    """
+
+    _exact_gradients_averaged: bool = True
+
+    def __init__(self, *args: Any, sync_with_dataloader: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sync_with_dataloader = sync_with_dataloader
+        self._exact: ExactAccumulator | None = None
+        self._exact_multiplier = 1.0
+
+    # ----------------------------------------------------------------- state
+    def _exact_active(self) -> bool:
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        return trainer is not None and module.automatic_optimization and trainer.training
+
+    @property
+    def exact_accumulator(self) -> ExactAccumulator:
+        """The accumulator of the running fit (created on first use with this strategy's world size)."""
+        if self._exact is None:
+            self._exact = ExactAccumulator(
+                world_size=getattr(self, "world_size", 1),
+                all_reduce_sum=self._exact_all_reduce_sum,
+                gradients_averaged=self._exact_gradients_averaged,
+                device=self.root_device,  # type: ignore[attr-defined]
+            )
+        return self._exact
+
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        self._exact = None
+        self._exact_multiplier = 1.0
+
+    # ------------------------------------------------------ overridable parts
+    def _exact_all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        """Sum a small tensor over all ranks, in place; once per window."""
+        return distributed_sum(tensor)
+
+    def _exact_scale_gradients(self, optimizer: Optimizer, factor: float) -> None:
+        """Multiply the accumulated, synced gradients by ``factor``."""
+        scale_gradients((p for group in optimizer.param_groups for p in group["params"]), factor)
+
+    # ------------------------------------------------------------ the hooks
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        if self._exact_active():
+            batch = args[0] if args else kwargs.get("batch")
+            self._exact_record(output, batch)
+        return output
+
+    def _exact_record(self, output: Any, batch: Any) -> None:
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        accumulate = trainer.accumulate_grad_batches
+        accumulator = self.exact_accumulator
+        if trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0:
+            accumulator.start_window()  # the same rule Lightning uses to zero gradients
+        self._exact_multiplier = 1.0
+        if isinstance(output, Mapping):
+            loss, num_items = output.get("loss"), output.get("num_items")
+        else:
+            loss, num_items = output, None
+        if loss is None:
+            return  # skipped step; Lightning reports a dict without "loss" itself
+        num_samples = count_samples(batch) if num_items is None else None
+        self._exact_multiplier = accumulator.record(loss, num_items, num_samples, normalized_by=accumulate)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._exact_active() and self._exact_multiplier != 1.0:
+            closure_loss = closure_loss * self._exact_multiplier
+        return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        if not self._exact_active():
+            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+
+        def closure_then_exact_scale() -> Any:
+            result = closure()
+            self._exact_finish_window(optimizer)
+            return result
+
+        self._exact_before_boundary()
+        try:
+            return super().optimizer_step(optimizer, closure_then_exact_scale, model, **kwargs)  # type: ignore[misc]
+        finally:
+            self._exact_after_step()
+
+    def _exact_before_boundary(self) -> None:
+        """Runs before the boundary micro-batch's training_step and backward (hook for engines that must know)."""
+
+    def _exact_after_step(self) -> None:
+        """Runs after the optimizer step (hook to undo what :meth:`_exact_scale_gradients` set up for the step)."""
+
+    def _exact_finish_window(self, optimizer: Optimizer) -> float:
+        """Close the window: check its size, all-reduce its counts once, scale the gradients; returns the factor."""
+        accumulator = self.exact_accumulator
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        accumulate = trainer.accumulate_grad_batches
+        if not self.sync_with_dataloader and accumulator.micro_batches != accumulate:
+            raise ValueError(
+                f"The accumulation window ending at batch {trainer.fit_loop.epoch_loop.batch_idx} of epoch "
+                f"{trainer.current_epoch} holds {accumulator.micro_batches} of accumulate_grad_batches={accumulate} "
+                f"micro-batches, but sync_with_dataloader=False requires full windows. Make the number of batches per "
+                f"epoch a multiple of {accumulate}, or pass sync_with_dataloader=True to step the short window "
+                f"with its gradient scaled to its real size."
+            )
+        factor = accumulator.window_factor()
+        self._exact_scale_gradients(optimizer, factor)
+        return factor
+
+
+# ---------------------------------------------------------------------------------------------------------- DeepSpeed
+def set_deepspeed_boundary(engine: Any, is_boundary: bool) -> None:
+    """Tell a DeepSpeed engine whether the next backward closes the accumulation window.
+
+    Replaces the engine's own micro-step counter (which assumes every window has ``gradient_accumulation_steps``
+    micro-batches and so drifts after a short window). With ``False`` ZeRO-0/1 keep gradients local (no reduction);
+    ZeRO-2/3 reduce-scatter every micro-batch by design. ``engine.step()`` updates only after a ``True`` backward.
+    """
+    engine.set_gradient_accumulation_boundary(is_boundary)
+
+
+def scale_deepspeed_gradients_at_step(engine: Any, factor: float) -> Callable[[], None]:
+    """Make the engine's next optimizer step use its accumulated gradients multiplied by ``factor``.
+
+    ZeRO-1/2/3 keep reduced gradients in partitions that only their optimizer can see, and every one of them divides
+    the gradients by its loss scale right before clipping and the update; overriding that scale with
+    ``scale / factor`` multiplies the gradients by ``factor`` exactly there, so clipping and the reported gradient
+    norm see the real big-batch gradient. Without ZeRO (plain fp32 optimizer) the gradients are in ``param.grad``.
+    Returns a function that restores the optimizer's own loss scale; call it after ``engine.step()``.
+    """
+    optimizer = engine.optimizer
+    if factor == 1.0:
+        return lambda: None
+    if hasattr(optimizer, "override_loss_scale") and hasattr(optimizer, "external_loss_scale"):
+        saved = (optimizer.custom_loss_scaler, optimizer.external_loss_scale)
+        optimizer.override_loss_scale(optimizer.loss_scale / factor)
+
+        def restore() -> None:
+            optimizer.custom_loss_scaler, optimizer.external_loss_scale = saved
+
+        return restore
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+
+    if not isinstance(optimizer, DeepSpeedOptimizer):  # no ZeRO, fp32: DeepSpeed steps the plain optimizer
+        scale_gradients((p for group in optimizer.param_groups for p in group["params"]), factor)
+        return lambda: None
+    raise RuntimeError(
+        f"Exact gradient accumulation cannot rescale gradients inside DeepSpeed's {type(optimizer).__name__} (used "
+        f"for ZeRO stage 0 with bf16/fp16, or ZeRO-1 with bf16 and fp32 gradient accumulation). Use ZeRO stage 1, 2 "
+        f"or 3 with their default data types."
+    )
+
+
+class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin):
+    """Exact accumulation for Lightning's ``DeepSpeedStrategy`` subclasses (the ZeRO family); mix in first.
+
+    * Lightning's loop owns accumulation (``handles_gradient_accumulation`` is ``False``), so ``optimizer_step``,
+      ``on_before_optimizer_step``, ``optimizer_zero_grad`` and step schedulers run once per real step, and the
+      short last window of an epoch steps instead of leaking into the next epoch.
+    * The engine is told each micro-batch's role (:func:`set_deepspeed_boundary`): non-boundary micro-batches run
+      in ``block_backward_sync`` with the boundary off, so ZeRO-1 does not reduce them; ZeRO-2/3 reduce-scatter
+      every micro-batch by DeepSpeed's design (each rank keeps only its gradient partition).
+    * ``engine.backward`` runs with ``scale_wrt_gas=False``: the mixin does the weighting itself.
+    * The window factor ``W / T`` is applied through the ZeRO optimizer's loss scale for that one step
+      (:func:`scale_deepspeed_gradients_at_step`).
+    """
+
+    _exact_restore: Callable[[], None] | None = None
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return False
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        set_deepspeed_boundary(self.model, False)  # type: ignore[attr-defined]
+        yield
+
+    def _exact_before_boundary(self) -> None:
+        set_deepspeed_boundary(self.model, True)  # type: ignore[attr-defined]
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._exact_active():
+            kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _exact_scale_gradients(self, optimizer: Optimizer, factor: float) -> None:
+        self._exact_restore = scale_deepspeed_gradients_at_step(self.model, factor)  # type: ignore[attr-defined]
+
+    def _exact_after_step(self) -> None:
+        if self._exact_restore is not None:
+            self._exact_restore()
+            self._exact_restore = None

@@ -1,0 +1,209 @@
+"""``xla_exact`` and ``single_xla_exact``: Lightning's XLA strategies with exact gradient accumulation,
+lightspeed's casting ``XLAPrecision`` and a launcher that does not copy the model into each worker.
+
+Gradients on XLA are never reduced during backward; they are all-reduced (averaged over replicas) once per optimizer
+step, inside the precision plugin's closure, i.e. only at accumulation window boundaries. The
+:class:`~lightspeed.strategies.exact_accumulation.ExactAccumulationMixin` then scales them by ``W / T`` (one small
+all-reduce of the window's item count per window) so the step equals the big-batch step, short last windows
+included.
+
+Notebook-friendly launching: torch_xla's ``xmp.spawn`` hands its arguments to the workers through a process pool,
+which pickles them, so Lightning's XLA launcher copies the Trainer and the model into every worker. The launcher
+here keeps them in a module-level table that the workers inherit through ``fork`` and passes only a key, so a model
+built once outside the training function is shared copy-on-write with the workers instead of being copied.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+from typing import Any, Callable, Optional, Union
+
+import torch.multiprocessing as mp
+from lightning.pytorch.plugins.precision.xla import XLAPrecision as _LightningXLAPrecision
+from lightning.pytorch.strategies.launchers.xla import _XLALauncher
+from lightning.pytorch.strategies.single_xla import SingleDeviceXLAStrategy
+from lightning.pytorch.strategies.xla import XLAStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+
+from lightspeed.strategies.exact_accumulation import ExactAccumulationMixin
+
+# key -> (launcher, trainer, function, args, kwargs) while a launch is running; workers inherit it through fork
+_LAUNCH_TABLE: dict[int, tuple[Any, ...]] = {}
+_LAUNCH_KEYS = itertools.count()
+
+
+def _run_from_launch_table(process_idx: int, key: int, return_queue: Union[mp.SimpleQueue, queue.Queue]) -> None:
+    launcher, trainer, function, args, kwargs = _LAUNCH_TABLE[key]
+    launcher._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue)
+
+
+class _XLAForkLauncher(_XLALauncher):
+    """Lightning's XLA launcher, except that the Trainer, the model and the function reach the workers by ``fork``
+    inheritance instead of pickling; and the parent's model gets the trained dtypes back, not only the values."""
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            raise NotImplementedError(
+                "Calling `trainer.fit()` twice on the same Trainer instance with an XLA strategy is not supported."
+                " Create a new Trainer and pass `fit(ckpt_path=...)` to continue training."
+            )
+        import torch_xla.distributed.xla_multiprocessing as xmp
+
+        from lightspeed.plugins.accelerators.xla import pjrt_device_count
+
+        return_queue = mp.Manager().Queue()
+        key = next(_LAUNCH_KEYS)
+        _LAUNCH_TABLE[key] = (self, trainer, function, args, kwargs)
+        # xmp.spawn runs either in this process (nprocs=1) or on every device (nprocs=None); forking workers for
+        # all devices keeps this process free of an XLA runtime, so it can launch again later (notebooks).
+        spawn_kwargs = {}
+        if self._strategy.num_processes != pjrt_device_count():
+            spawn_kwargs["nprocs"] = 1
+        try:
+            process_context = xmp.spawn(
+                _run_from_launch_table,
+                args=(key, return_queue),
+                start_method=self._start_method,
+                **spawn_kwargs,
+            )
+            if process_context is not None:  # older torch_xla returns a context with join=False
+                self.procs = process_context.processes
+                while not process_context.join():
+                    pass
+        finally:
+            del _LAUNCH_TABLE[key]
+
+        worker_output = return_queue.get()
+        if trainer is None:
+            return worker_output
+        self._already_fit |= trainer.state.fn == TrainerFn.FITTING
+        self._recover_results_in_main_process(worker_output, trainer)
+        return worker_output.trainer_results
+
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
+        if worker_output.weights_path is not None:
+            # the workers trained in the precision's dtypes; give the parent's module the same dtypes first
+            self._strategy.precision_plugin.convert_module(trainer.lightning_module)
+        super()._recover_results_in_main_process(worker_output, trainer)
+
+
+def _check_bf16_in_worker(precision: Any, device_type: Optional[str]) -> None:
+    """Inside a worker the runtime runs, so the device can be asked whether it does bfloat16."""
+    from torch_xla import runtime as xr
+
+    from lightspeed.plugins.accelerators.xla import check_bf16_supported
+
+    check_bf16_supported(str(precision.precision), device_type, bool(xr.is_bf16_supported()))
+
+
+def _require_torch_xla() -> None:
+    from lightspeed.plugins.accelerators.xla import torch_xla_installed, torch_xla_missing_message
+
+    if not torch_xla_installed():
+        raise ModuleNotFoundError(torch_xla_missing_message())
+
+
+def _default_precision() -> _LightningXLAPrecision:
+    from lightspeed.plugins.precision.xla import XLAPrecision
+
+    return XLAPrecision("32-true")
+
+
+class XLAExactStrategy(ExactAccumulationMixin, XLAStrategy):
+    """Multi-device XLA (``xmp.spawn``) with exact gradient accumulation and lightspeed's ``XLAPrecision``.
+
+    Also runs on a single device (one forked worker), which Lightning's ``XLAStrategy`` refuses.
+    Accepts ``XLAStrategy``'s arguments plus ``sync_with_dataloader`` (see the accumulation mixin).
+    """
+
+    strategy_name = "xla_exact"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _require_torch_xla()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def precision_plugin(self) -> _LightningXLAPrecision:
+        plugin = self._precision_plugin
+        if plugin is None:
+            plugin = self._precision_plugin = _default_precision()
+        return plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Any) -> None:
+        XLAStrategy.precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _XLAForkLauncher(self)
+
+    def setup_distributed(self) -> None:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        _check_bf16_in_worker(self.precision_plugin, getattr(self.accelerator, "device_type", None))
+
+    def _exact_all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        import torch_xla.core.xla_model as xm
+
+        return xm.all_reduce(xm.REDUCE_SUM, tensor)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="XLA on all PJRT devices with exact gradient accumulation and casting XLAPrecision",
+            override=True,
+        )
+
+
+class SingleDeviceXLAExactStrategy(ExactAccumulationMixin, SingleDeviceXLAStrategy):
+    """One XLA device in this process, with exact gradient accumulation and lightspeed's ``XLAPrecision``.
+
+    What ``accelerator="xla", devices=1`` picks; also ``strategy="single_xla_exact"``.
+    """
+
+    strategy_name = "single_xla_exact"
+
+    def __init__(self, device: Any = 0, *args: Any, **kwargs: Any) -> None:
+        _require_torch_xla()
+        super().__init__(device, *args, **kwargs)
+
+    @property
+    def precision_plugin(self) -> _LightningXLAPrecision:
+        plugin = self._precision_plugin
+        if plugin is None:
+            plugin = self._precision_plugin = _default_precision()
+        return plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Any) -> None:
+        SingleDeviceXLAStrategy.precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        _check_bf16_in_worker(self.precision_plugin, getattr(self.accelerator, "device_type", None))
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="One XLA device with exact gradient accumulation and casting XLAPrecision",
+            override=True,
+        )
+
+
+def register(registry: Any) -> None:
+    """Add ``xla_exact`` and ``single_xla_exact`` to Lightning's strategy registry and ``accelerator="xla"`` to its
+    accelerator registry (idempotent; torch_xla is not imported)."""
+    XLAExactStrategy.register_strategies(registry)
+    SingleDeviceXLAExactStrategy.register_strategies(registry)
+    from lightspeed.plugins.accelerators import register_accelerators
+
+    register_accelerators()
