@@ -2,8 +2,7 @@
 ``export``.
 
 Each subcommand lives in ``lightspeed.cli.<name>_command`` and defines ``add_parser(subparsers)`` and
-``run(args) -> int``. They are imported lazily, one at a time, so ``lightspeed --help`` stays fast and works
-even when one of them cannot be imported. Exit codes: 0 success, 1 a check failed (``lightspeed test``),
+``run(args) -> int``; each imports its heavy dependencies only when it runs. Exit codes: 0 success, 1 a check failed (``lightspeed test``),
 2 a user error (one message on stderr, no traceback), 130 interrupted.
 """
 
@@ -25,30 +24,15 @@ class UsageError(Exception):
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions that report user mistakes with a message meant to be read, not a traceback."""
-    types: list[type[BaseException]] = [UsageError]
-    for module_name, class_name in (
-        ("lightspeed.core.memory.errors", "MemoryPlanError"),
-        ("lightspeed.core.deepspeed_config.errors", "DeepSpeedConfigError"),
-    ):
-        try:
-            types.append(getattr(importlib.import_module(module_name), class_name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(types)
+    from lightspeed.core.checkpoint.errors import CheckpointError, ExportError
+    from lightspeed.core.deepspeed_config.errors import DeepSpeedConfigError
+    from lightspeed.core.memory.errors import MemoryPlanError
 
-
-def _load_subcommand(name: str):
-    module_name = f"lightspeed.cli.{name}_command"
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name == module_name:  # not written yet / not installed: leave it out of the command list
-            return None
-        raise
+    return (UsageError, MemoryPlanError, DeepSpeedConfigError, CheckpointError, ExportError)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every subcommand that can be imported."""
+    """The top-level parser with every subcommand."""
     from lightspeed import __version__
 
     parser = argparse.ArgumentParser(
@@ -58,9 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lightspeed {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        module = _load_subcommand(name)
-        if module is None:
-            continue
+        module = importlib.import_module(f"lightspeed.cli.{name}_command")
         before = set(subparsers.choices)
         module.add_parser(subparsers)
         for added in set(subparsers.choices) - before:

@@ -1,0 +1,279 @@
+"""``GatherForMetrics``: validation/test metrics over exactly the real samples, equal to the single-process value.
+
+The callback keeps one :class:`~lightspeed.core.gather_state.GatherState` per evaluation dataloader (read from its
+sampler and dataset at the first batch of each epoch) and makes it the current state around every batch, so
+``lightspeed.gather_for_metrics`` called inside ``validation_step`` / ``test_step`` (or once in
+``on_validation_epoch_end``) drops the sampler's duplicates without being told anything.
+
+With metrics, it also reads ``outputs[preds_key]`` and ``outputs[target_key]`` from what the step returns,
+gathers them (de-duplicated) once per batch, updates its own copies of the metrics with the global data, and at
+epoch end logs ``val/<name>`` / ``test/<name>`` (plus ``/dataloader_idx_<i>`` when there are several dataloaders)
+with ``sync_dist=False``: every rank already holds the global value. torchmetrics' own cross-rank sync is turned
+off on these copies, since it would count every sample ``world_size`` times.
+
+A metric is either a torchmetrics ``Metric`` (or ``MetricCollection``; updated per batch) or a plain callable
+``fn(preds, target) -> value`` (called once per epoch on everything gathered). Under a single device the gathers
+are no-ops and the callback simply computes the metrics.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from typing import Any, Callable, Mapping
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from torchmetrics import Metric
+
+from lightspeed.core.gather import end_of_dataloader, gather_for_metrics
+from lightspeed.core.gather_state import GatherState, current_state, infer_batch_size, set_current_state
+
+MetricLike = Metric | Callable[[Any, Any], Any]
+_STAGES = {"validate": "val", "test": "test"}
+
+
+class GatherForMetrics(Callback):
+    """Exact distributed evaluation metrics (see the module docstring).
+
+    Args:
+        metrics: ``{"acc": MulticlassAccuracy(10), "f1": some_fn}``; ``None`` to only track the dataloaders for
+            hand-written ``gather_for_metrics`` calls.
+        preds_key / target_key: keys of the dict that ``validation_step`` / ``test_step`` returns.
+        val_prefix / test_prefix: prefixes of the logged names.
+        gather_every: ``"batch"`` (default) gathers and updates the metrics once per batch; ``"epoch"`` keeps this
+            rank's outputs and gathers them once at epoch end (one collective per dataloader instead of one per
+            batch, for slow interconnects or oversubscribed CPUs; needs the memory for the epoch's outputs and the
+            same trailing shape in every batch).
+    """
+
+    def __init__(
+        self,
+        metrics: Mapping[str, MetricLike] | None = None,
+        preds_key: str = "preds",
+        target_key: str = "target",
+        val_prefix: str = "val/",
+        test_prefix: str = "test/",
+        gather_every: str = "batch",
+    ) -> None:
+        if gather_every not in ("batch", "epoch"):
+            raise ValueError(f"GatherForMetrics(gather_every={gather_every!r}): use 'batch' or 'epoch'.")
+        if metrics is not None and not isinstance(metrics, Mapping):
+            raise TypeError(
+                f"GatherForMetrics expects a dict of metrics such as {{'acc': MulticlassAccuracy(10)}}, got "
+                f"{type(metrics).__name__}; wrap it: GatherForMetrics({{'name': metric}})."
+            )
+        for name, metric in (metrics or {}).items():
+            if not (isinstance(metric, Metric) or callable(metric)):
+                raise TypeError(f"GatherForMetrics: metric {name!r} is a {type(metric).__name__}; pass a torchmetrics Metric or a callable(preds, target).")
+        self.metrics: dict[str, MetricLike] = dict(metrics or {})
+        self.preds_key, self.target_key = preds_key, target_key
+        self.gather_every = gather_every
+        self.prefixes = {"validate": val_prefix, "test": test_prefix}
+        self.states: dict[str, dict[int, GatherState]] = {}
+        self.results: dict[str, dict[str, Any]] = {}  # stage -> logged name -> value, from the last epoch
+        self._copies: dict[tuple[str, int], dict[str, MetricLike]] = {}
+        self._collected: dict[tuple[str, int], dict[str, list[Any]]] = {}
+
+    # hooks ------------------------------------------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Lightning suggests sync_dist=True for every epoch-level value logged without it; ours are global already
+        for prefix in self.prefixes.values():
+            warnings.filterwarnings(
+                "ignore", message=rf"It is recommended to use `self\.log\('{re.escape(prefix)}", category=PossibleUserWarning
+            )
+
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_start("validate")
+
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_start("test")
+
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_start(trainer, "validate", batch, dataloader_idx)
+
+    def on_test_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_start(trainer, "test", batch, dataloader_idx)
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_end(pl_module, "validate", outputs, dataloader_idx)
+
+    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_end(pl_module, "test", outputs, dataloader_idx)
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_end(trainer, pl_module, "validate")
+
+    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_end(trainer, pl_module, "test")
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._clear_context()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._clear_context()
+
+    # work ---------------------------------------------------------------------------------------------------------
+
+    def state_for(self, stage: str = "validate", dataloader_idx: int = 0) -> GatherState:
+        """The accounting of one dataloader in the current epoch (for ``gather_for_metrics(..., state=...)``)."""
+        try:
+            return self.states[stage][dataloader_idx]
+        except KeyError:
+            raise KeyError(f"GatherForMetrics has not seen a {stage} batch from dataloader {dataloader_idx} this epoch.") from None
+
+    def _epoch_start(self, stage: str) -> None:
+        self.states[stage] = {}
+        for key in [k for k in self._collected if k[0] == stage]:
+            del self._collected[key]
+        for key, copies in self._copies.items():
+            if key[0] == stage:
+                for metric in copies.values():
+                    if isinstance(metric, Metric):
+                        metric.reset()
+
+    def _batch_start(self, trainer: Trainer, stage: str, batch: Any, dataloader_idx: int) -> None:
+        states = self.states.setdefault(stage, {})
+        state = states.get(dataloader_idx)
+        if state is None:
+            state = GatherState.from_dataloader(self._dataloader(trainer, stage, dataloader_idx), name=f"{stage} dataloader {dataloader_idx}")
+            states[dataloader_idx] = state
+        state.begin_batch(infer_batch_size(batch))
+        set_current_state(state)
+
+    def _batch_end(self, pl_module: LightningModule, stage: str, outputs: Any, dataloader_idx: int) -> None:
+        if not self.metrics:
+            return
+        step = "validation_step" if stage == "validate" else "test_step"
+        missing = [k for k in (self.preds_key, self.target_key) if not isinstance(outputs, Mapping) or k not in outputs]
+        if missing:
+            returned = f"a dict with keys {sorted(map(str, outputs))}" if isinstance(outputs, Mapping) else repr(type(outputs).__name__)
+            raise KeyError(
+                f"GatherForMetrics reads {self.preds_key!r} and {self.target_key!r} from what {step} returns, but it "
+                f"returned {returned} (missing {missing}). Return {{{self.preds_key!r}: ..., {self.target_key!r}: ...}} "
+                f"from {step}, or pass GatherForMetrics(..., preds_key=..., target_key=...)."
+            )
+        if self.gather_every == "epoch":
+            local = self._collected.setdefault((stage, dataloader_idx), {"preds": [], "target": []})
+            local["preds"].append(_detached(outputs[self.preds_key]))
+            local["target"].append(_detached(outputs[self.target_key]))
+            return
+        state = self.states[stage][dataloader_idx]
+        gathered = gather_for_metrics({"preds": outputs[self.preds_key], "target": outputs[self.target_key]}, state=state)
+        self._update(pl_module, stage, dataloader_idx, gathered["preds"], gathered["target"])
+
+    def _update(self, pl_module: LightningModule, stage: str, dataloader_idx: int, preds: Any, target: Any) -> None:
+        """Feed globally gathered, de-duplicated predictions and targets to the metrics."""
+        copies = self._metric_copies(stage, dataloader_idx, pl_module.device)
+        collected = self._collected.setdefault((stage, dataloader_idx), {"preds": [], "target": []})
+        if any(not isinstance(m, Metric) for m in copies.values()):
+            collected["preds"].append(preds)
+            collected["target"].append(target)
+        if _num_rows(preds) == 0:
+            return
+        for metric in copies.values():
+            if isinstance(metric, Metric):
+                metric.update(preds, target)
+
+    def _epoch_end(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        states = self.states.get(stage, {})
+        limit = trainer.limit_val_batches if stage == "validate" else trainer.limit_test_batches
+        complete = not trainer.sanity_checking and isinstance(limit, float) and limit == 1.0
+        for idx in sorted(states):
+            end_of_dataloader(states[idx], complete=complete)
+        if not self.metrics:
+            return
+        if self.gather_every == "epoch":
+            for idx in sorted(states):
+                local = self._collected.pop((stage, idx), {"preds": [], "target": []})
+                gathered = gather_for_metrics(
+                    {"preds": _concat(local["preds"]), "target": _concat(local["target"])}, state=states[idx]
+                )
+                self._update(pl_module, stage, idx, gathered["preds"], gathered["target"])
+        results: dict[str, Any] = {}
+        several = len(self._dataloaders(trainer, stage)) > 1
+        for idx in sorted(states):
+            copies = self._metric_copies(stage, idx, pl_module.device)
+            collected = self._collected.get((stage, idx), {"preds": [], "target": []})
+            for name, metric in copies.items():
+                if isinstance(metric, Metric):
+                    value = metric.compute()
+                    metric.reset()
+                else:
+                    value = metric(_concat(collected["preds"]), _concat(collected["target"]))
+                suffix = f"/dataloader_idx_{idx}" if several else ""
+                for log_name, log_value in _named_values(f"{self.prefixes[stage]}{name}", value, suffix):
+                    results[log_name] = log_value
+                    pl_module.log(log_name, log_value, sync_dist=False, add_dataloader_idx=False, on_step=False, on_epoch=True)
+        self.results[stage] = results
+
+    def _metric_copies(self, stage: str, dataloader_idx: int, device: torch.device) -> dict[str, MetricLike]:
+        key = (stage, dataloader_idx)
+        if key not in self._copies:
+            copies: dict[str, MetricLike] = {}
+            for name, metric in self.metrics.items():
+                if isinstance(metric, Metric):
+                    metric = copy.deepcopy(metric).to(device)
+                    _disable_sync(metric)
+                copies[name] = metric
+            self._copies[key] = copies
+        return self._copies[key]
+
+    @staticmethod
+    def _dataloaders(trainer: Trainer, stage: str) -> list[Any]:
+        loaders = trainer.val_dataloaders if stage == "validate" else trainer.test_dataloaders
+        if loaders is None:
+            return []
+        return CombinedLoader(loaders, mode="sequential").flattened
+
+    def _dataloader(self, trainer: Trainer, stage: str, dataloader_idx: int) -> Any:
+        loaders = self._dataloaders(trainer, stage)
+        if dataloader_idx >= len(loaders):
+            raise RuntimeError(f"GatherForMetrics: the trainer reports no {stage} dataloader {dataloader_idx} (it has {len(loaders)}).")
+        return loaders[dataloader_idx]
+
+    def _clear_context(self) -> None:
+        state = current_state()
+        if state is not None and any(state is s for states in self.states.values() for s in states.values()):
+            set_current_state(None)
+
+
+def _disable_sync(metric: Metric) -> None:
+    """Every rank updates with the global data already, so a cross-rank sync would count samples world_size times."""
+    for module in metric.modules():
+        if isinstance(module, Metric):
+            module.sync_on_compute = False
+            module.dist_sync_on_step = False
+            module._to_sync = False
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _num_rows(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.ndim else 1
+    return len(value)
+
+
+def _concat(parts: list[Any]) -> Any:
+    if parts and isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    return [item for part in parts for item in part]
+
+
+def _named_values(name: str, value: Any, suffix: str) -> list[tuple[str, Any]]:
+    if isinstance(value, Mapping):  # e.g. a MetricCollection
+        return [(f"{name}/{key}{suffix}", _loggable(v)) for key, v in value.items()]
+    return [(f"{name}{suffix}", _loggable(value))]
+
+
+def _loggable(value: Any) -> Any:
+    """Lightning logs floating values; counts come back as float64 so they stay exact."""
+    tensor = torch.as_tensor(value)
+    return tensor if tensor.is_floating_point() else tensor.to(torch.float64)

@@ -1,0 +1,109 @@
+"""``ZeroExport``: write consolidated safetensors straight from the live ZeRO-sharded model.
+
+```python
+trainer = L.Trainer(strategy="zero3_offload", callbacks=[ZeroExport("export/", dtype="bf16")])
+trainer.fit(model)                                  # export/ holds model.safetensors (+ index when sharded)
+lightspeed.export.load_exported(fresh_model, "export/")
+```
+
+At the end of ``fit`` (and, with ``on_checkpoint=True``, whenever a checkpoint is saved) every rank walks the
+model parameter by parameter: trainable weights are assembled from DeepSpeed's fp32 master partitions, frozen ZeRO-3
+weights are gathered one at a time, and rank 0 writes each tensor and drops it. No rank holds the full model. The
+output equals exporting the checkpoint the engine would save at that moment (``lightspeed export``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightspeed.core.checkpoint.errors import ExportError
+from lightspeed.core.checkpoint.live import export_engine
+from lightspeed.core.checkpoint.plan import resolve_dtype
+from lightspeed.core.checkpoint.safetensors_writer import parse_size
+from lightspeed.core.checkpoint.staging import check_output_dir
+
+
+class ZeroExport(Callback):
+    """Export the model of a DeepSpeed/ZeRO strategy to safetensors in ``dirpath``.
+
+    Args:
+        dirpath: output directory (replaced atomically by every export).
+        dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` for floating tensors.
+        max_shard_size: largest shard, e.g. ``"2GB"``; None writes one file.
+        exclude_frozen: leave out parameters with ``requires_grad=False``.
+        strip_prefix: export only the keys under this prefix, without it (``"model."`` for a wrapped HF model).
+        on_checkpoint: also export whenever a checkpoint is saved, so ``dirpath`` follows the latest checkpoint.
+        overwrite: replace a non-empty ``dirpath`` that this run did not write (checked before training starts).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike,
+        dtype: str | torch.dtype = "fp32",
+        max_shard_size: int | str | None = "5GB",
+        exclude_frozen: bool = False,
+        strip_prefix: str | None = None,
+        on_checkpoint: bool = False,
+        overwrite: bool = False,
+    ) -> None:
+        self.dirpath = Path(dirpath)
+        self.dtype = dtype
+        self.max_shard_size = max_shard_size
+        resolve_dtype(dtype)  # fail at construction on a typo, not after training
+        parse_size(max_shard_size)
+        self.exclude_frozen = exclude_frozen
+        self.strip_prefix = strip_prefix
+        self.on_checkpoint = on_checkpoint
+        self.overwrite = overwrite
+        self._written = False
+        self.export_count = 0  # exports written by this callback (per process; every rank takes part)
+        self.last_result: Any = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not hasattr(trainer.strategy, "deepspeed_engine"):
+            raise ExportError(
+                f"ZeroExport needs a DeepSpeed strategy (strategy='zero1' ... 'zero3_nvme' or DeepSpeedStrategy); "
+                f"the trainer uses {type(trainer.strategy).__name__}. For other strategies save the state_dict "
+                "with safetensors directly"
+            )
+        if trainer.is_global_zero:
+            check_output_dir(self.dirpath, self.overwrite)
+
+    def _export(self, trainer: pl.Trainer, reason: str) -> None:
+        engine = trainer.strategy.deepspeed_engine
+        if engine is None:
+            raise ExportError("ZeroExport: the DeepSpeed engine is not set up; the export runs during fit only")
+        self.last_result = export_engine(
+            engine,
+            self.dirpath,
+            dtype=self.dtype,
+            max_shard_size=self.max_shard_size,
+            exclude_frozen=self.exclude_frozen,
+            strip_prefix=self.strip_prefix,
+            overwrite=self.overwrite or self._written,
+            source={"global_step": trainer.global_step, "epoch": trainer.current_epoch, "reason": reason},
+        )
+        self._written = True
+        self.export_count += 1
+        if trainer.is_global_zero and self.last_result is not None:
+            rank_zero_info(
+                f"ZeroExport: wrote {self.last_result.num_tensors} tensors ({self.last_result.total_bytes / 1e6:.1f} MB) "
+                f"to {self.dirpath} at step {trainer.global_step}"
+            )
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if self.on_checkpoint and trainer.state.fn == "fit":
+            self._export(trainer, "checkpoint")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the end of fit, while the engine and process group are still fully set up (on_fit_end runs after teardown)
+        self._export(trainer, "fit_end")

@@ -1,0 +1,106 @@
+"""``lightspeed export CKPT OUT``: turn a DeepSpeed ZeRO checkpoint or a single-file Lightning checkpoint into
+consolidated safetensors.
+
+Exit codes: 0 written, 2 user error (bad checkpoint, output directory in the way, bad option) with one message on
+stderr and the output directory untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+EXIT_OK, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 2, 130
+
+DESCRIPTION = """\
+Export a DeepSpeed ZeRO checkpoint (stages 0-3, CPU or NVMe offload, any world size) to safetensors in the
+Hugging Face layout: model.safetensors, or model-0000k-of-0000N.safetensors shards plus
+model.safetensors.index.json. Tensors are assembled one at a time from the rank files, so memory stays around
+one tensor. A single-file Lightning checkpoint (trainer.save_checkpoint without DeepSpeed: single device, DDP,
+XLA) is exported from its state_dict the same way; its optimizer states are never loaded. Keys are the
+LightningModule's state_dict() names; tied weights are written once and restored by
+lightspeed.export.load_exported. The output appears only when complete.
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``export`` subcommand."""
+    parser = subparsers.add_parser(
+        "export",
+        help="export a ZeRO or single-file Lightning checkpoint to consolidated safetensors",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("checkpoint", help="ZeRO checkpoint directory (e.g. checkpoints/last.ckpt), one of its tag "
+                        "folders, or a single-file Lightning checkpoint")
+    parser.add_argument("output", help="output directory (must be missing or empty unless --overwrite)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="dtype of floating tensors (default: fp32; integer buffers keep theirs)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="largest shard, e.g. 2GB, 500MB, 1GiB, or 'none' for one file (default: 5GB)")
+    parser.add_argument("--tag", default=None,
+                        help="tag of a ZeRO checkpoint directory to export (default: the one named in 'latest')")
+    parser.add_argument("--exclude-frozen", action="store_true",
+                        help="leave out parameters with requires_grad=False (ZeRO stages 1-3 only: single-file "
+                        "checkpoints do not record it)")
+    parser.add_argument("--strip-prefix", default=None, metavar="PREFIX",
+                        help="export only keys under PREFIX, without it (e.g. 'model.' for a wrapped HF model)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+
+
+def _progress_bar(enabled: bool):
+    if not enabled:
+        return None, None
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, unit="B", unit_scale=True, desc="exporting", file=sys.stderr, leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return update, bar
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the export; returns the exit code."""
+    from lightspeed.core.checkpoint.errors import CheckpointError, ExportError
+    from lightspeed.export import export_checkpoint
+
+    shard = None if str(args.max_shard_size).lower() in ("none", "0") else args.max_shard_size
+    progress, bar = _progress_bar(not args.quiet and sys.stderr.isatty())
+    try:
+        result = export_checkpoint(
+            args.checkpoint, args.output, dtype=args.dtype, max_shard_size=shard, tag=args.tag,
+            exclude_frozen=args.exclude_frozen, strip_prefix=args.strip_prefix, overwrite=args.overwrite,
+            progress=progress,
+        )
+    except (CheckpointError, ExportError) as error:
+        print(f"lightspeed export: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("lightspeed export: interrupted; the output directory was left untouched", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if bar is not None:
+            bar.close()
+    if not args.quiet and sys.stdout.isatty():
+        print(
+            f"wrote {result.num_tensors} tensors ({result.total_bytes / 1e6:.1f} MB) in {len(result.files)} file(s) "
+            f"to {result.output_dir}"
+        )
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point: ``python -m lightspeed.cli.export_command CKPT OUT ...``."""
+    parser = argparse.ArgumentParser(prog="lightspeed")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(["export", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""Reading DeepSpeed ZeRO checkpoints and writing consolidated safetensors, one tensor at a time.
+
+No Lightning imports here: the Lightning callback and the command-line tool are thin layers over this package.
+
+* :mod:`.torch_zip` reads the structure of ``torch.save`` files without loading tensor data or running pickled code.
+* :mod:`.locate` finds the tag directory and the per-rank files of a checkpoint.
+* :mod:`.zero_reader` maps every tensor of the model onto the byte ranges in the rank files that hold it.
+* :mod:`.plan` chooses the exported keys (prefix, frozen parameters, tied weights) and their dtype.
+* :mod:`.safetensors_writer` streams tensors into safetensors shards inside a staging directory.
+* :mod:`.exporter` ties these together; :mod:`.live` exports a running DeepSpeed engine; :mod:`.loading` loads
+  an export back into a module.
+"""
+
+from lightspeed.core.checkpoint.errors import CheckpointError, ExportError
+
+__all__ = ["CheckpointError", "ExportError"]

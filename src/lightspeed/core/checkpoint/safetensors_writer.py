@@ -1,0 +1,151 @@
+"""Write tensors into safetensors shards one tensor at a time, following the Hugging Face layout.
+
+A safetensors file is an 8-byte header length, a JSON header (name -> dtype, shape, byte range) and the raw bytes.
+All shapes and dtypes are known before any data is read, so each header is written first and every tensor is
+produced, written and dropped in turn: resident memory is one tensor, not one shard or the model. Files are named
+``model.safetensors`` or ``model-0000k-of-0000N.safetensors`` with ``model.safetensors.index.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from lightspeed.core.checkpoint.errors import ExportError
+from lightspeed.core.checkpoint.plan import OutputTensor
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+Progress = Callable[[int, int], None]  # (bytes written so far, total bytes)
+
+
+def parse_size(value: int | str | None) -> int | None:
+    """``2GB`` (10^9), ``500MiB`` (2^20) or a byte count -> bytes; None means one file however large."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool):
+        if value is not None and value <= 0:
+            raise ExportError(f"max shard size must be positive, got {value}")
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(value).upper())
+    if not match or match.group(2) not in _UNITS:
+        raise ExportError(f"cannot read the shard size {value!r}; write it like 2GB, 500MB or 1GiB")
+    size = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if size <= 0:
+        raise ExportError(f"max shard size must be positive, got {value!r}")
+    return size
+
+
+def plan_shards(tensors: list[OutputTensor], max_shard_bytes: int | None) -> list[list[OutputTensor]]:
+    """Cut the ordered tensor list into consecutive shards of at most ``max_shard_bytes`` (a bigger tensor alone)."""
+    shards: list[list[OutputTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if max_shard_bytes is not None and shards[-1] and size + tensor.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += tensor.nbytes
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _header(tensors: list[OutputTensor], metadata: dict[str, str]) -> bytes:
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for tensor in tensors:
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise ExportError(f"{tensor.name}: dtype {tensor.dtype} cannot be written to safetensors")
+        header[tensor.name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
+        offset += tensor.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    return encoded + b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
+
+
+def _tensor_bytes(tensor: torch.Tensor, spec: OutputTensor) -> memoryview:
+    if tuple(tensor.shape) != tuple(spec.shape):
+        raise ExportError(f"{spec.name}: produced shape {tuple(tensor.shape)}, expected {spec.shape}")
+    tensor = tensor.detach().to("cpu")
+    if tensor.dtype != spec.dtype:
+        tensor = tensor.to(spec.dtype)
+    tensor = tensor.contiguous().reshape(-1)
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+
+
+def write_file(path: Path, tensors: list[OutputTensor], metadata: dict[str, str], progress: Callable[[int], None]) -> None:
+    """Write one safetensors file, producing each tensor only when its turn comes."""
+    header = _header(tensors, metadata)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(header)))
+        handle.write(header)
+        for spec in tensors:
+            data = _tensor_bytes(spec.produce(), spec)
+            if len(data) != spec.nbytes:
+                raise ExportError(f"{spec.name}: produced {len(data)} bytes, expected {spec.nbytes}")
+            handle.write(data)
+            del data
+            progress(spec.nbytes)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def write_shards(
+    directory: Path,
+    tensors: list[OutputTensor],
+    max_shard_bytes: int | None,
+    metadata: dict[str, str],
+    progress: Progress | None = None,
+) -> list[str]:
+    """Write ``tensors`` as HF-style safetensors shards (+ index when more than one) into ``directory``."""
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        raise ExportError(f"two tensors would be exported under the same name: {duplicates}")
+    shards = plan_shards(tensors, max_shard_bytes)
+    files = shard_names(len(shards))
+    total = sum(t.nbytes for t in tensors)
+    done = 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
+
+    for name, shard in zip(files, shards):
+        write_file(directory / name, shard, metadata, advance)
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_size": total, **metadata},
+            "weight_map": {t.name: name for name, shard in zip(files, shards) for t in shard},
+        }
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return files + ([INDEX_FILE] if len(files) > 1 else [])
+
+
+def drain(tensors: list[OutputTensor], max_shard_bytes: int | None = None) -> None:
+    """Produce every tensor in the order :func:`write_shards` would, writing nothing (non-writing ranks)."""
+    for shard in plan_shards(tensors, max_shard_bytes):
+        for spec in shard:
+            spec.produce()

@@ -1,0 +1,264 @@
+"""Sample accounting for distributed evaluation: which samples a rank produces are real and which are padding.
+
+A distributed sampler pads the dataset so that every rank gets the same number of samples; the padded samples
+are duplicates. The number of duplicates is known from the sampler and the dataset, never guessed from tensor
+shapes. :class:`GatherState` records, for one evaluation dataloader on one rank, how many of the samples this
+rank produces are real and where the current batch starts, so that :func:`lightspeed.gather_for_metrics` can drop
+exactly the padding.
+
+The rules (what counts as real, and in which order gathered samples come back):
+
+* **DistributedSampler** (also Lightning's ``DistributedSamplerWrapper`` / ``UnrepeatedDistributedSampler``):
+  the sampler lays out ``total_size`` positions, rank ``r`` takes positions ``r, r + W, r + 2W, ...``; position
+  ``p`` is real when ``p < len(dataset)`` (``drop_last=True`` drops the tail instead: every position is real and
+  the dropped samples are never evaluated). Gathered samples come back in the sampler's global order, which is
+  dataset order when ``shuffle=False``.
+* **IterableDataset with ``__len__``**: ``len(dataset)`` is the true number of samples over *all* ranks (every
+  rank must report the same value), and the dataset shards round-robin (sample ``i`` on rank ``i % W``, the layout
+  ``DistributedSampler`` and ``datasets.distributed.split_dataset_by_node`` use). A shard may pad at its end so
+  every rank runs the same number of batches; whatever a rank yields beyond its
+  ``len(range(rank, len(dataset), W))`` real samples is padding and is dropped. Order: the dataset's order.
+* **IterableDataset without ``__len__``**: nothing pads it, so every sample a rank yields is real; ranks may
+  yield different numbers of samples (ragged last batches are fine). Order: rank by rank.
+* **Map-style dataset without a distributed sampler** (e.g. ``use_distributed_sampler=False`` with a per-rank
+  ``Subset``): every sample is real and taken as that rank's shard. If every rank iterates the whole dataset,
+  the gathered result holds ``world_size`` copies; that is the data the ranks produced.
+
+Per-batch gathers use the position of the current batch (``begin_batch`` is called once per batch, however many
+gathers the batch makes); a gather of everything a rank produced in the epoch (rows equal to the samples seen so
+far) starts at position 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler, IterableDataset
+
+Layout = Literal["strided", "shards"]
+
+
+@dataclass
+class GatherState:
+    """Evaluation progress of one dataloader on this rank, and how many of its samples are real.
+
+    ``real_samples`` is the number of real samples this rank produces (``None``: all of them are real);
+    ``total_samples`` the number over all ranks when known. ``seen`` counts the samples consumed so far in the
+    epoch; ``batch_start`` / ``batch_size`` locate the current batch among them.
+    """
+
+    layout: Layout
+    rank: int
+    world_size: int
+    real_samples: int | None
+    total_samples: int | None
+    source: str = "explicit"
+    name: str = "dataloader 0"
+    seen: int = 0
+    batches: int = 0
+    batch_start: int = 0
+    batch_size: int | None = None
+    max_batch_size: int = 0
+    from_iterable_len: bool = field(default=False, repr=False)
+    drop_last_batches: bool = field(default=False, repr=False)
+    real_total: int | None = None  # real samples over all ranks, set by end_of_dataloader
+
+    # construction ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def strided(cls, total_samples: int, rank: int | None = None, world_size: int | None = None, **kw: Any) -> "GatherState":
+        """Round-robin layout over ``total_samples`` real samples (DistributedSampler without ``drop_last``)."""
+        rank, world_size = _rank_and_world(rank, world_size)
+        return cls("strided", rank, world_size, len(range(rank, total_samples, world_size)), total_samples, **kw)
+
+    @classmethod
+    def shards(cls, real_samples: int | None = None, rank: int | None = None, world_size: int | None = None, **kw: Any) -> "GatherState":
+        """Every rank owns a shard; its first ``real_samples`` samples are real (``None``: all of them)."""
+        rank, world_size = _rank_and_world(rank, world_size)
+        return cls("shards", rank, world_size, real_samples, None, **kw)
+
+    @classmethod
+    def from_dataloader(
+        cls, dataloader: Iterable[Any], rank: int | None = None, world_size: int | None = None, name: str = "dataloader 0"
+    ) -> "GatherState":
+        """Read the sampler and dataset of ``dataloader`` (see the module docstring for the rules)."""
+        state = cls._from_dataloader(dataloader, rank, world_size, name)
+        state.drop_last_batches = bool(getattr(dataloader, "drop_last", False))
+        return state
+
+    @classmethod
+    def _from_dataloader(cls, dataloader: Iterable[Any], rank: int | None, world_size: int | None, name: str) -> "GatherState":
+        rank, world_size = _rank_and_world(rank, world_size)
+        dataset = getattr(dataloader, "dataset", None)
+        sampler = find_distributed_sampler(dataloader)
+        if sampler is not None:
+            if sampler.num_replicas != world_size:
+                raise ValueError(
+                    f"{name}: its DistributedSampler splits the data over num_replicas={sampler.num_replicas} ranks "
+                    f"but the process group has {world_size}; create the sampler with num_replicas={world_size} "
+                    "(or let Lightning inject it)."
+                )
+            length = len(sampler.dataset)
+            real_positions = min(length, int(sampler.total_size))
+            source = (
+                f"{type(sampler).__name__}(len={length}, world_size={world_size}, "
+                f"drop_last={bool(getattr(sampler, 'drop_last', False))}, shuffle={bool(getattr(sampler, 'shuffle', False))})"
+            )
+            return cls(
+                "strided", sampler.rank, world_size, len(range(sampler.rank, real_positions, world_size)),
+                real_positions, source=source, name=name,
+            )
+        if isinstance(dataset, IterableDataset):
+            length = _len_or_none(dataset)
+            if length is None:
+                return cls("shards", rank, world_size, None, None, source=f"{type(dataset).__name__} without __len__", name=name)
+            state = cls.strided(length, rank, world_size, source=f"{type(dataset).__name__}(len={length}), round-robin shards", name=name)
+            state.from_iterable_len = True
+            return state
+        if world_size > 1 and dataset is not None:
+            _warn_once(
+                "lightspeed.gather_for_metrics: %s has a map-style dataset but no DistributedSampler; every sample a "
+                "rank loads is taken as real (the ranks are assumed to hold disjoint shards). If every rank iterates "
+                "the whole dataset, the gathered result holds world_size copies." % name
+            )
+        return cls("shards", rank, world_size, None, None, source="map-style dataset without DistributedSampler", name=name)
+
+    # progress -------------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Start a new epoch."""
+        self.seen = self.batches = self.batch_start = self.max_batch_size = 0
+        self.batch_size = self.real_total = None
+
+    def begin_batch(self, batch_size: int) -> None:
+        """Record that this rank now evaluates a batch of ``batch_size`` samples (once per batch)."""
+        if batch_size < 0:
+            raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+        self.batch_start = self.seen
+        self.batch_size = int(batch_size)
+        self.seen += int(batch_size)
+        self.batches += 1
+        self.max_batch_size = max(self.max_batch_size, int(batch_size))
+
+    def real_count(self, start: int, rows: int) -> int:
+        """How many of ``rows`` samples at local positions ``start, start + 1, ...`` are real."""
+        if self.real_samples is None:
+            return rows
+        return max(0, min(rows, self.real_samples - start))
+
+    def real_mask(self) -> torch.Tensor:
+        """Boolean mask over the current batch: True for real samples, False for padding.
+
+        Use it to reduce per-rank values exactly before gathering them (e.g. ``loss[mask].sum()``).
+        """
+        if self.batch_size is None:
+            raise RuntimeError(f"{self.name}: no batch has started yet; call begin_batch(batch_size) first.")
+        mask = torch.zeros(self.batch_size, dtype=torch.bool)
+        mask[: self.real_count(self.batch_start, self.batch_size)] = True
+        return mask
+
+    def start_for_rows(self, rows: int) -> int | None:
+        """Local position of the first of ``rows`` gathered samples: the current batch, or the whole epoch so far.
+
+        ``None`` when ``rows`` matches neither (the caller reports it).
+        """
+        if self.batch_size is not None and rows == self.batch_size:
+            return self.batch_start
+        if rows == self.seen:
+            return 0
+        return None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["GatherState"]:
+        """Make this the state that :func:`gather_for_metrics` uses while the block runs."""
+        previous = current_state()
+        set_current_state(self)
+        try:
+            yield self
+        finally:
+            set_current_state(previous)
+
+
+# the "current eval context" --------------------------------------------------------------------------------------
+
+_CURRENT: GatherState | None = None
+
+
+def current_state() -> GatherState | None:
+    """The state that :func:`gather_for_metrics` uses when none is passed (set by the callback or :func:`lightspeed.core.gather.track`)."""
+    return _CURRENT
+
+
+def set_current_state(state: GatherState | None) -> None:
+    """Install ``state`` as the current evaluation state (``None`` clears it)."""
+    global _CURRENT
+    _CURRENT = state
+
+
+# helpers -------------------------------------------------------------------------------------------------------
+
+def infer_batch_size(batch: Any) -> int:
+    """Number of samples in ``batch``: the length of the first tensor (or list) found in it."""
+    if isinstance(batch, torch.Tensor):
+        if batch.ndim == 0:
+            raise ValueError("cannot infer a batch size from a 0-d tensor; call GatherState.begin_batch(n) yourself.")
+        return int(batch.shape[0])
+    if isinstance(batch, dict):
+        for value in batch.values():
+            with contextlib.suppress(ValueError):
+                return infer_batch_size(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            with contextlib.suppress(ValueError):
+                return infer_batch_size(value)
+        if batch and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in batch):
+            return len(batch)
+    raise ValueError(f"cannot infer a batch size from a {type(batch).__name__}; call GatherState.begin_batch(n) yourself.")
+
+
+def find_distributed_sampler(dataloader: Any) -> DistributedSampler | None:
+    """The DistributedSampler a dataloader draws from (directly or inside its batch sampler), if any."""
+    candidates = [getattr(dataloader, "sampler", None)]
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    candidates += [getattr(batch_sampler, "sampler", None), getattr(getattr(batch_sampler, "_batch_sampler", None), "sampler", None)]
+    for sampler in candidates:
+        if isinstance(sampler, DistributedSampler):
+            return sampler
+    return None
+
+
+def _len_or_none(obj: Any) -> int | None:
+    if not hasattr(type(obj), "__len__"):
+        return None
+    try:
+        return len(obj)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    initialized = dist.is_available() and dist.is_initialized()
+    if rank is None:
+        rank = dist.get_rank() if initialized else 0
+    if world_size is None:
+        world_size = dist.get_world_size() if initialized else 1
+    return rank, world_size
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+__all__ = [
+    "GatherState", "current_state", "set_current_state", "infer_batch_size", "find_distributed_sampler",
+]

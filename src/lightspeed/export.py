@@ -1,0 +1,76 @@
+"""Export DeepSpeed ZeRO checkpoints and single-file Lightning checkpoints to consolidated safetensors, and load
+exports back.
+
+```python
+from lightspeed.export import export_checkpoint, load_exported
+
+export_checkpoint("checkpoints/last.ckpt", "export/", dtype="bf16", max_shard_size="2GB")  # ZeRO directory
+export_checkpoint("checkpoints/epoch=3.ckpt", "export/")  # a file: single device, DDP or XLA
+load_exported(fresh_model, "export/")   # strict: every key must match
+```
+
+The export is written one tensor at a time from the rank files or the checkpoint file (memory: about one tensor,
+not the model; a file's optimizer states are never loaded), in
+the Hugging Face layout (``model.safetensors``, or shards plus ``model.safetensors.index.json``), with the
+LightningModule's ``state_dict()`` names. Tied weights are stored once and restored by :func:`load_exported`.
+``strip_prefix="model."`` exports a wrapped Hugging Face model so that ``from_pretrained`` can load it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from lightspeed.core.checkpoint.errors import CheckpointError, ExportError
+from lightspeed.core.checkpoint.exporter import ExportResult, export_checkpoint_path
+from lightspeed.core.checkpoint.loading import LoadResult
+from lightspeed.core.checkpoint.loading import load_exported as _load_exported
+from lightspeed.core.checkpoint.safetensors_writer import Progress
+
+__all__ = ["CheckpointError", "ExportError", "ExportResult", "LoadResult", "export_checkpoint", "load_exported"]
+
+
+def export_checkpoint(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: str | torch.dtype = "fp32",
+    max_shard_size: int | str | None = "5GB",
+    tag: str | None = None,
+    exclude_frozen: bool = False,
+    strip_prefix: str | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Export the checkpoint ``ckpt`` to safetensors in ``out``: a DeepSpeed checkpoint directory (Lightning's
+    ``<name>.ckpt/`` or DeepSpeed's save dir), or a single-file Lightning checkpoint (its ``state_dict``).
+
+    Args:
+        ckpt: the checkpoint directory (holding ``latest`` and a tag folder), a tag folder, or a ``.ckpt`` file
+            written by ``trainer.save_checkpoint`` without DeepSpeed (single device, DDP, XLA).
+        out: output directory; must be missing or empty unless ``overwrite``. Written atomically.
+        dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` for floating tensors (integer buffers keep their dtype).
+            ZeRO: trainable weights come from the fp32 master copy, frozen ones from the training-dtype copy;
+            a file: the weights as saved.
+        max_shard_size: largest shard (``"2GB"``, ``"500MiB"``, bytes); None writes one file.
+        tag: checkpoint tag to export (default: the one in ``latest``); not for a file.
+        exclude_frozen: leave out parameters with ``requires_grad=False``. Refused for a file and for ZeRO
+            stage 0, which do not record it.
+        strip_prefix: export only keys under this prefix, without it (e.g. ``"model."``).
+        overwrite: replace a non-empty ``out``.
+        progress: called with (bytes written, total bytes) after each tensor.
+    """
+    return export_checkpoint_path(
+        ckpt, out, dtype=dtype, max_shard_size=max_shard_size, tag=tag, exclude_frozen=exclude_frozen,
+        strip_prefix=strip_prefix, overwrite=overwrite, progress=progress,
+    )
+
+
+def load_exported(module: nn.Module, path: str | os.PathLike, strict: bool = True) -> LoadResult:
+    """Load the export at ``path`` (directory, ``.safetensors`` file or index) into ``module``.
+
+    With ``strict`` (default) the module's keys and the export's must be the same; a mismatch raises
+    :class:`ExportError` listing the missing and unexpected keys and leaves the module unchanged.
+    """
+    return _load_exported(module, path, strict=strict)

@@ -1,0 +1,178 @@
+"""Worker for tests/callbacks/test_gather_for_metrics_distributed.py: GatherForMetrics under a real Lightning run.
+
+``python gather_lightning.py OUT_DIR WORLD STRATEGY``: one Trainer (CPU, ``devices=WORLD``, Lightning's own
+launcher) runs ``fit`` (sanity check, 2 training steps with Adam at lr=0, validation), ``validate`` and ``test`` over
+several dataloaders. Every rank saves ``rank{r}.pt``: what the callback logged, what ``gather_for_metrics`` returned
+by hand (per batch in ``validation_step`` and once in ``on_validation_epoch_end``), and the values torchmetrics'
+plain ``sync_dist`` logging produced on the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torchmetrics
+from torch.utils.data import DataLoader, IterableDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core" / "scripts"))
+from gather_data import NUM_CLASSES, LengthIterable, MapData, ShardedIterable, model  # noqa: E402
+
+import lightning as L  # noqa: E402
+
+import lightspeed  # noqa: E402
+from lightspeed.callbacks import GatherForMetrics  # noqa: E402
+
+# validation dataloaders, in order: name -> (kind, n, batch_size, shuffle)
+VAL = {
+    "map_ragged": ("map", 11, 2, False),
+    "map_shuffle": ("map", 17, 3, True),
+    "map_divides": ("map", 12, 2, False),
+    "iterable_len": ("iterable_len", 11, 2, False),
+    "iterable_nolen": ("iterable_nolen", 10, 2, False),
+}
+TEST = ("map", 13, 4, False)
+
+
+class RankShard(IterableDataset):
+    """Looks up its rank when iterated (the process group exists by then) and yields that rank's shard."""
+
+    def __init__(self, n: int, with_len: bool) -> None:
+        self.n, self.with_len = n, with_len
+
+    def __iter__(self):
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        shard = LengthIterable(self.n, rank, world) if self.with_len else ShardedIterable(self.n, rank, world, padded=False)
+        return iter(shard)
+
+
+class RankShardWithLen(RankShard):
+    def __len__(self) -> int:  # the total over all ranks
+        return self.n
+
+
+def loader(kind: str, n: int, batch_size: int, shuffle: bool) -> DataLoader:
+    if kind == "map":
+        return DataLoader(MapData(n), batch_size=batch_size, shuffle=shuffle)
+    if kind == "iterable_len":
+        return DataLoader(RankShardWithLen(n, True), batch_size=batch_size)
+    return DataLoader(RankShard(n, False), batch_size=batch_size)
+
+
+class EvalModule(L.LightningModule):
+    def __init__(self, callback: GatherForMetrics) -> None:
+        super().__init__()
+        self.net = model()
+        self.callback = callback
+        self.plain_acc = torch.nn.ModuleList(
+            torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro") for _ in range(len(VAL) + 1)
+        )
+        self.plain_count = torch.nn.ModuleList(torchmetrics.SumMetric() for _ in range(len(VAL) + 1))
+        self.record: dict = defaultdict(dict)
+        self._per_batch: dict = defaultdict(list)
+        self._local: dict = defaultdict(list)
+        self.phase = "fit"
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.0)  # lr 0: predictions stay the reference ones
+
+    def _eval_step(self, batch, dataloader_idx: int, plain_idx: int):
+        x, y, idx = batch
+        preds = self.net(x).argmax(-1)
+        # by hand: the callback made this dataloader's state current
+        gathered = lightspeed.gather_for_metrics({"idx": idx, "names": [f"s{int(i)}" for i in idx]})
+        self._per_batch[dataloader_idx].append(gathered)
+        self._local[dataloader_idx].append(idx)
+        # torchmetrics' own sync: counts the sampler's duplicates
+        self.plain_acc[plain_idx].update(preds, y)
+        self.plain_count[plain_idx].update(torch.ones(len(idx), dtype=torch.float64))
+        return {"logits_argmax": preds, "labels": y}
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        out = self._eval_step(batch, dataloader_idx, dataloader_idx)
+        self.log("plain/acc", self.plain_acc[dataloader_idx], sync_dist=True, on_epoch=True)
+        self.log("plain/count", self.plain_count[dataloader_idx], sync_dist=True, on_epoch=True)
+        return out
+
+    def test_step(self, batch, batch_idx, dataloader_idx=0):
+        out = self._eval_step(batch, 0, len(VAL))
+        self.log("plain/acc", self.plain_acc[len(VAL)], sync_dist=True, on_epoch=True)
+        self.log("plain/count", self.plain_count[len(VAL)], sync_dist=True, on_epoch=True)
+        return out
+
+    def _epoch_end(self, stage: str) -> None:
+        if self.trainer.sanity_checking:
+            self._per_batch.clear()
+            self._local.clear()
+            return
+        key = f"{self.phase}"
+        for idx in sorted(self._local):
+            state = self.callback.state_for(stage, idx)
+            once = lightspeed.gather_for_metrics(torch.cat(self._local[idx]), state=state)
+            per_batch = self._per_batch[idx]
+            self.record[key][idx] = {
+                "per_batch_idx": torch.cat([g["idx"] for g in per_batch]),
+                "per_batch_names": [n for g in per_batch for n in g["names"]],
+                "epoch_end_idx": once,
+            }
+        self._per_batch.clear()
+        self._local.clear()
+
+    def on_validation_epoch_end(self) -> None:
+        self._epoch_end("validate")
+
+    def on_test_epoch_end(self) -> None:
+        self._epoch_end("test")
+
+
+def main() -> None:
+    out_dir, world, strategy = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    callback = GatherForMetrics(
+        {
+            "acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro"),
+            "f1": torchmetrics.classification.MulticlassF1Score(NUM_CLASSES, average="macro"),
+            "count": lambda preds, target: torch.tensor(float(len(preds)), dtype=torch.float64),
+        },
+        preds_key="logits_argmax",
+        target_key="labels",
+    )
+    # the same metric gathered once per epoch instead of once per batch
+    epoch_callback = GatherForMetrics(
+        {"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")},
+        preds_key="logits_argmax", target_key="labels", val_prefix="val_epoch/", test_prefix="test_epoch/",
+        gather_every="epoch",
+    )
+    module = EvalModule(callback)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, callbacks=[callback, epoch_callback], max_epochs=1,
+        limit_train_batches=2, num_sanity_val_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    val_loaders = [loader(*spec) for spec in VAL.values()]
+    logged = {}
+    trainer.fit(module, train_dataloaders=DataLoader(MapData(8), batch_size=2), val_dataloaders=val_loaders)
+    logged["fit"] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
+    module.phase = "validate"
+    trainer.validate(module, dataloaders=val_loaders, verbose=False)
+    logged["validate"] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
+    module.phase = "test"
+    trainer.test(module, dataloaders=loader(*TEST), verbose=False)
+    logged["test"] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
+    torch.save(
+        {"logged": logged, "record": dict(module.record), "results": callback.results, "world": trainer.world_size},
+        out_dir / f"rank{trainer.global_rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("LIGHTSPEED_GATHER_TIMEOUT", "120")
+    main()

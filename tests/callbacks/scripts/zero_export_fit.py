@@ -1,0 +1,123 @@
+"""Worker (torchrun, 2 ranks, CPU): fit with a lightspeed ZeRO strategy and the ZeroExport callback, save a
+checkpoint with ModelCheckpoint, and record the live fp32 master weights gathered after fit as the reference.
+
+Usage: torchrun --nproc_per_node=2 zero_export_fit.py OUT_DIR CASE [CASE ...]   (cases: see CASES)
+Rank 0 writes OUT_DIR/<case>/reference.pt; the export is in OUT_DIR/<case>/export, the checkpoint in
+OUT_DIR/<case>/ckpts/last.ckpt.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "tests" / "core" / "scripts"))
+sys.path.insert(0, str(REPO / "examples"))
+import lightspeed  # noqa: E402,F401
+from checkpoint_models import VOCAB, TinyLM  # noqa: E402
+from lightspeed.callbacks import ZeroExport  # noqa: E402
+
+# case -> (strategy name, model kind, ZeroExport keyword arguments)
+CASES = {
+    "zero3_offload": ("zero3_offload", "tiny", {"dtype": "fp32"}),
+    "zero2_bf16_sharded": ("zero2", "tiny", {"dtype": "bf16", "max_shard_size": "4KB", "on_checkpoint": True}),
+    "zero3_nvme": ("zero3_nvme", "tiny_big", {"dtype": "fp32", "max_shard_size": "1MB"}),
+    "zero3_tiny_gpt": ("zero3_offload", "tiny_gpt", {"dtype": "fp32"}),
+}
+TINY_GPT_VOCAB, TINY_GPT_CONTEXT = 29, 12
+
+
+def build_net(kind: str) -> torch.nn.Module:
+    if kind == "tiny_gpt":
+        from tiny_lm import TinyGPT
+
+        return TinyGPT(TINY_GPT_VOCAB, TINY_GPT_CONTEXT, width=32, depth=2, heads=4)
+    return TinyLM(big=kind == "tiny_big")
+
+
+class LitLM(L.LightningModule):
+    """A plain LightningModule around a small LM (tied head; TinyLM also has a frozen layer and buffers)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.net = build_net(kind)
+
+    def vocab(self) -> int:
+        return TINY_GPT_VOCAB if self.kind == "tiny_gpt" else VOCAB
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        logits = self.net(tokens)
+        vocab = self.vocab()
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1)
+        )
+
+    def configure_optimizers(self):
+        if self.kind == "tiny_gpt":
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return torch.optim.AdamW(self.net.param_groups(), lr=1e-2)
+
+
+def loader(kind: str) -> DataLoader:
+    generator = torch.Generator().manual_seed(5)
+    vocab = TINY_GPT_VOCAB if kind == "tiny_gpt" else VOCAB
+    tokens = torch.randint(0, vocab, (18, 7), generator=generator)
+    return DataLoader(TensorDataset(tokens), batch_size=3)
+
+
+def live_reference(engine) -> dict:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    fp32, frozen = {}, []
+    for name, param in engine.module.named_parameters():
+        master = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if master is None:
+            frozen.append(name)
+            if hasattr(param, "ds_id"):
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    master = param.detach().clone()
+            else:
+                master = param.detach().clone()
+        fp32[name] = master.detach().float().cpu().clone()
+    buffers = {n: b.detach().cpu().clone() for n, b in engine.module.named_buffers()}
+    return {"fp32": fp32, "frozen": frozen, "buffers": buffers, "keys": list(engine.module.state_dict().keys())}
+
+
+def run(case: str, out: Path) -> None:
+    strategy, kind, export_kwargs = CASES[case]
+    root = out / case
+    L.seed_everything(0, verbose=False)
+    model = LitLM(kind)
+    export = ZeroExport(root / "export", **export_kwargs)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root,
+        callbacks=[export, ModelCheckpoint(root / "ckpts", save_last=True)],
+    )
+    trainer.fit(model, loader(kind))
+    reference = live_reference(trainer.strategy.deepspeed_engine)
+    reference["export_count"] = export.export_count
+    if trainer.is_global_zero:
+        torch.save(reference, root / "reference.pt")
+    trainer.strategy.barrier()
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    os.environ["LIGHTSPEED_NVME_PATH"] = str(out / "nvme")
+    for case in sys.argv[2:]:
+        run(case, out)
+
+
+if __name__ == "__main__":
+    main()

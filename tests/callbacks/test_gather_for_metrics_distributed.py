@@ -1,0 +1,130 @@
+"""GatherForMetrics in real multi-process Lightning runs: Lightning DDP on 3 CPU ranks and lightspeed's ZeRO-3 on 2.
+
+Each launch (tests/callbacks/scripts/gather_lightning.py) runs fit (with a 1-batch sanity check), validate and
+test over five validation dataloaders: map-style that does not divide, shuffled, dividing, an IterableDataset
+with __len__ (padded round-robin shards) and one without (unpadded, ragged). The logged metrics must equal the
+single-process metrics computed here, exactly; the torchmetrics ``sync_dist`` values logged in the same run must
+show the duplicates; and hand-written gathers inside the LightningModule must return exactly the real samples.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torchmetrics
+
+from _support.launch import run_python
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "scripts"))
+sys.path.insert(0, str(SCRIPTS))
+from gather_data import NUM_CLASSES, LengthIterable, ShardedIterable, reference  # noqa: E402
+from gather_lightning import TEST, VAL  # noqa: E402
+
+# (strategy, ranks); LIGHTSPEED_GATHER_TEST_RUNS="zero1:2,zero2_offload:3" runs others (each launch ~20-60 s here)
+RUNS = [
+    (spec.split(":")[0], int(spec.split(":")[1]))
+    for spec in os.environ.get("LIGHTSPEED_GATHER_TEST_RUNS", "ddp:3,zero3:2").split(",")
+]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=lambda r: f"{r[0]}-{r[1]}ranks")
+def run(request, tmp_path_factory):
+    strategy, world = request.param
+    out = tmp_path_factory.mktemp(f"gather_{strategy}_{world}")
+    env = {"DS_ACCELERATOR": "cpu", "LIGHTSPEED_GATHER_TIMEOUT": "120"}
+    run_python(SCRIPTS / "gather_lightning.py", [out, world, strategy], env=env)
+    return world, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def metrics_on(indices: list[int], n: int) -> dict[str, float]:
+    ref = reference(n)
+    order = torch.tensor(indices, dtype=torch.long)
+    preds, target = ref["preds"][order], ref["target"][order]
+    acc = torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")
+    f1 = torchmetrics.classification.MulticlassF1Score(NUM_CLASSES, average="macro")
+    return {"acc": float(acc(preds, target)), "f1": float(f1(preds, target)), "count": float(len(indices))}
+
+
+def evaluated(kind: str, n: int, world: int) -> list[int] | None:
+    """Every sample the ranks evaluate, duplicates included (None: depends on the shuffle seed and epoch)."""
+    if kind == "map":
+        total = -(-n // world) * world
+        return list(range(n)) + list(range(total - n))  # DistributedSampler pads with the first indices
+    if kind == "iterable_len":
+        return [int(s[2]) for r in range(world) for s in LengthIterable(n, r, world)]
+    return list(range(n))
+
+
+def shard_orders(n: int, batch_size: int, world: int) -> tuple[list[int], list[int]]:
+    """Unpadded shards: per-batch gathers come back step by step, rank by rank; one epoch-end gather rank by rank."""
+    shards = [[int(s[2]) for s in ShardedIterable(n, r, world, padded=False)] for r in range(world)]
+    steps = max(-(-len(s) // batch_size) for s in shards)
+    per_batch = [i for step in range(steps) for s in shards for i in s[step * batch_size:(step + 1) * batch_size]]
+    return per_batch, [i for s in shards for i in s]
+
+
+@pytest.mark.parametrize("phase", ["fit", "validate"])
+@pytest.mark.parametrize("position", range(len(VAL)), ids=list(VAL))
+def test_logged_validation_metrics_equal_single_process(run, phase, position):
+    world, ranks = run
+    kind, n, _, shuffle = list(VAL.values())[position]
+    expected = metrics_on(list(range(n)), n)
+    for result in ranks:
+        logged = result["logged"][phase]
+        for name in ("acc", "f1", "count"):
+            assert logged[f"val/{name}/dataloader_idx_{position}"].item() == expected[name], name
+        assert logged[f"val_epoch/acc/dataloader_idx_{position}"].item() == expected["acc"], "gather_every='epoch'"
+        assert result["results"]["validate"][f"val/acc/dataloader_idx_{position}"].item() == logged[f"val/acc/dataloader_idx_{position}"].item()
+        # torchmetrics' own sync in the same run counted every evaluated sample, duplicates included
+        duplicated = evaluated(kind, n, world)
+        assert logged[f"plain/count/dataloader_idx_{position}"].item() == (len(duplicated) if not shuffle else -(-n // world) * world)
+        if not shuffle:
+            assert logged[f"plain/acc/dataloader_idx_{position}"].item() == metrics_on(duplicated, n)["acc"]
+        has_duplicates = logged[f"plain/count/dataloader_idx_{position}"].item() != n
+        assert has_duplicates == (n % world != 0 and kind != "iterable_nolen")
+
+
+def test_the_runs_contain_duplicates(run):
+    world, _ = run
+    padded = [name for name, (kind, n, _, _) in VAL.items() if kind != "iterable_nolen" and n % world]
+    assert len(padded) >= 3, padded
+
+
+def test_logged_test_metrics_equal_single_process(run):
+    world, ranks = run
+    kind, n, _, _ = TEST
+    expected = metrics_on(list(range(n)), n)
+    duplicated = evaluated(kind, n, world)
+    for result in ranks:
+        logged = result["logged"]["test"]
+        assert {name: logged[f"test/{name}"].item() for name in ("acc", "f1", "count")} == expected
+        assert logged["test_epoch/acc"].item() == expected["acc"]
+        assert logged["plain/count"].item() == len(duplicated) != n
+        assert logged["plain/acc"].item() == metrics_on(duplicated, n)["acc"] != expected["acc"]
+
+
+@pytest.mark.parametrize("phase", ["fit", "validate", "test"])
+def test_hand_written_gathers_in_the_module_return_exactly_the_real_samples(run, phase):
+    world, ranks = run
+    loaders = [TEST] if phase == "test" else list(VAL.values())
+    for result in ranks:
+        record = result["record"][phase]
+        assert sorted(record) == list(range(len(loaders)))
+        for position, (kind, n, batch_size, shuffle) in enumerate(loaders):
+            got = record[position]
+            if kind == "iterable_nolen":
+                per_batch, epoch_end = shard_orders(n, batch_size, world)
+            else:
+                per_batch = epoch_end = list(range(n))
+            if shuffle:  # the sampler's order, which changes with the epoch: compare as sets of exactly-once samples
+                assert sorted(got["per_batch_idx"].tolist()) == per_batch
+                assert got["epoch_end_idx"].tolist() == got["per_batch_idx"].tolist()
+            else:
+                assert got["per_batch_idx"].tolist() == per_batch
+                assert got["epoch_end_idx"].tolist() == epoch_end
+            assert got["per_batch_names"] == [f"s{i}" for i in got["per_batch_idx"].tolist()]

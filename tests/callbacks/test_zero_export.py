@@ -1,0 +1,103 @@
+"""ZeroExport end to end: 2 CPU ranks fit with lightspeed's ZeRO strategies (zero3_offload, zero2 in bf16 export
+with sharding and per-checkpoint export, zero3_nvme with a layer big enough to be swapped), one launch for all.
+
+The export written from the live sharded model must equal the fp32 master weights gathered after fit, equal the
+offline export of the checkpoint ModelCheckpoint saved at the same step bit for bit, and load into a fresh module.
+The last case is the README's model (examples/tiny_lm.py: a small transformer LM with a tied head).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from _support.launch import run_torchrun
+from lightspeed.export import ExportError, export_checkpoint, load_exported
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE / "scripts"))
+sys.path.insert(0, str(REPO / "tests" / "core" / "scripts"))
+sys.path.insert(0, str(REPO / "examples"))
+from zero_export_fit import CASES, LitLM  # noqa: E402
+
+CASE_NAMES = list(CASES)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("zero_export")
+    run_torchrun(HERE / "scripts" / "zero_export_fit.py", 2, [out, *CASE_NAMES], env={"DS_ACCELERATOR": "cpu"},
+                 timeout=600)
+    return out
+
+
+def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+    tensors, tied = {}, {}
+    files = sorted(p.name for p in path.iterdir())
+    for name in files:
+        if name.endswith(".safetensors"):
+            with safe_open(str(path / name), framework="pt") as handle:
+                tied = json.loads(handle.metadata()["lightspeed_tied"])
+                tensors.update({k: handle.get_tensor(k) for k in handle.keys()})
+    return tensors, tied, files
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_export_equals_live_weights_and_checkpoint_export(runs, tmp_path, case):
+    root = runs / case
+    reference = torch.load(root / "reference.pt", weights_only=False)
+    dtype = torch.bfloat16 if CASES[case][2]["dtype"] == "bf16" else torch.float32
+    live, tied, files = read(root / "export")
+    assert set(live) | set(tied) == set(reference["keys"])
+    assert tied == {"net.head.weight": ("net.tokens.weight" if case == "zero3_tiny_gpt" else "net.embed.weight")}
+    for name, tensor in live.items():
+        expected = reference["buffers"][name] if name in reference["buffers"] else reference["fp32"][name]
+        if expected.is_floating_point():
+            assert tensor.dtype == dtype and torch.equal(tensor, expected.to(dtype)), name
+        else:
+            assert torch.equal(tensor, expected), name
+    if "max_shard_size" in CASES[case][2]:
+        assert "model.safetensors.index.json" in files and len(files) > 2
+    # on_checkpoint: one export per checkpoint save (epoch-end and last.ckpt) and the final one at the end of fit
+    assert reference["export_count"] == (3 if CASES[case][2].get("on_checkpoint") else 1)
+
+    # the checkpoint saved at the same step exports to exactly the same tensors
+    offline_dir = tmp_path / "offline"
+    export_checkpoint(root / "ckpts" / "last.ckpt", offline_dir, dtype=CASES[case][2]["dtype"])
+    offline, offline_tied, _ = read(offline_dir)
+    assert offline_tied == tied and offline.keys() == live.keys()
+    assert all(torch.equal(offline[k], live[k]) and offline[k].dtype == live[k].dtype for k in live)
+
+    fresh = LitLM(CASES[case][1])
+    assert load_exported(fresh, root / "export") == ([], [])
+    for name, value in fresh.state_dict().items():
+        owner = tied.get(name, name)
+        assert torch.equal(value, live[owner].to(value.dtype)), name
+
+
+def test_refuses_non_deepspeed_strategy_and_occupied_directory(tmp_path):
+    import lightning as L
+    from lightspeed.callbacks import ZeroExport
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, max_steps=1)
+    callback = ZeroExport(tmp_path / "export")
+    with pytest.raises(ExportError, match=r"ZeroExport needs a DeepSpeed strategy .* the trainer uses "
+                                          r"SingleDeviceStrategy"):
+        callback.setup(trainer, LitLM("tiny"), "fit")
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "model.safetensors").write_text("from another run")
+    zero = L.Trainer(strategy="zero2", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_checkpointing=False, enable_model_summary=False, max_steps=1)
+    with pytest.raises(ExportError, match=r"output directory .*occupied exists and is not empty; pass overwrite=True"):
+        ZeroExport(occupied).setup(zero, LitLM("tiny"), "fit")  # before training starts, not after
+    ZeroExport(occupied, overwrite=True).setup(zero, LitLM("tiny"), "fit")
+    with pytest.raises(ExportError, match=r"unsupported export dtype 'float8'"):
+        ZeroExport(tmp_path / "export", dtype="float8")

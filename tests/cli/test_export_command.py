@@ -1,0 +1,126 @@
+"""``lightspeed export``: the console script on real ZeRO checkpoints (generated once per session, 2 CPU ranks).
+
+A LightningModule-style wrapper around a tiny GPT-2 (built from a config, no download) trained with ZeRO-3 is
+exported with ``--strip-prefix model.``; ``GPT2LMHeadModel.from_pretrained`` loads it with no missing key and gives
+the same logits as GPT-2 holding the live fp32 weights. User errors exit with code 2 and one message on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "core" / "scripts"))
+from checkpoint_fixture import HF, checkpoint_of, zero_checkpoints  # noqa: E402
+from checkpoint_models import tiny_gpt2_config  # noqa: E402
+
+from lightspeed.cli import export_command  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return zero_checkpoints(tmp_path_factory)
+
+
+def lightspeed_cli(*args: str) -> subprocess.CompletedProcess:
+    """The installed console script (``python -m lightspeed.cli.main`` when the venv has no entry point)."""
+    script = Path(sys.executable).with_name("lightspeed")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "lightspeed.cli.main"]
+    return subprocess.run([*command, "export", *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def parse(*args: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lightspeed")
+    export_command.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["export", *map(str, args)])
+
+
+def test_strip_prefix_export_loads_with_from_pretrained(root, tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    ckpt, tag, reference = checkpoint_of(root, HF)
+    out = tmp_path / "gpt2"
+    proc = lightspeed_cli(ckpt, out, "--strip-prefix", "model.", "--max-shard-size", "20KB")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and proc.stderr == ""  # quiet when not on a terminal
+    assert (out / "model.safetensors.index.json").is_file()
+    tiny_gpt2_config().save_pretrained(out)
+
+    loaded, info = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    live = GPT2LMHeadModel(tiny_gpt2_config())
+    weights = {k.removeprefix("model."): v for k, v in reference["fp32"].items()}
+    live.load_state_dict(weights, strict=False)
+    assert live.lm_head.weight is live.transformer.wte.weight
+    for name, value in live.named_parameters():
+        assert torch.equal(dict(loaded.named_parameters())[name], value), name
+    tokens = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(tokens).logits, live.eval()(tokens).logits)
+
+
+def test_options_reach_the_export(root, tmp_path):
+    from safetensors import safe_open
+
+    ckpt, tag, reference = checkpoint_of(root, "s3_cpu_fp32")
+    out = tmp_path / "bf16"
+    args = parse(ckpt, out, "--dtype", "bf16", "--exclude-frozen", "--tag", tag, "--max-shard-size", "none")
+    assert export_command.run(args) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+        assert "frozen_proj.weight" not in handle.keys()
+        assert torch.equal(handle.get_tensor("up.weight"), reference["fp32"]["up.weight"].bfloat16())
+
+
+@pytest.mark.parametrize("case", ["missing", "occupied", "tag", "shard"])
+def test_user_errors_exit_2_with_one_message(root, tmp_path, capsys, case):
+    ckpt, tag, _ = checkpoint_of(root, "s2_none_fp32")
+    out = tmp_path / "out"
+    args = {
+        "missing": (tmp_path / "nowhere", out),
+        "occupied": (ckpt, out),
+        "tag": (ckpt, out, "--tag", "nope"),
+        "shard": (ckpt, out, "--max-shard-size", "lots"),
+    }[case]
+    if case == "occupied":
+        out.mkdir()
+        (out / "keep.txt").write_text("x")
+    assert export_command.run(parse(*args)) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lightspeed export: error: ") and captured.out == ""
+    expected = {
+        "missing": "nowhere: no such checkpoint",
+        "occupied": "exists and is not empty; pass overwrite=True (--overwrite",
+        "tag": "unknown tag 'nope'",
+        "shard": "cannot read the shard size 'lots'",
+    }[case]
+    assert expected in lines[0]
+    assert (sorted(p.name for p in out.iterdir()) == ["keep.txt"]) if case == "occupied" else not out.exists()
+
+
+def test_console_script_exit_code_and_overwrite(root, tmp_path):
+    ckpt, tag, _ = checkpoint_of(root, "s2_none_fp32")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("x")
+    proc = lightspeed_cli(ckpt, out)  # a separate process: the real exit code and stderr
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "exists and is not empty" in proc.stderr
+    assert export_command.run(parse(ckpt, out, "--overwrite", "--quiet")) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
+def test_help_lists_every_option():
+    parser = argparse.ArgumentParser(prog="lightspeed")
+    subparsers = parser.add_subparsers(dest="command")
+    export_command.add_parser(subparsers)
+    help_text = subparsers.choices["export"].format_help()
+    for option in ("--dtype", "--max-shard-size", "--tag", "--exclude-frozen", "--strip-prefix", "--overwrite"):
+        assert option in help_text
