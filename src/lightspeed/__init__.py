@@ -12,6 +12,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+from lightspeed._lazy import lazy_getattr
 from lightspeed.strategies import register_strategies as _register_strategies
 
 _register_strategies()
@@ -27,9 +28,10 @@ _LAZY_SUBMODULES = ("callbacks", "core", "export", "plugins", "strategies", "cli
 __all__ = ["__version__", *_LAZY_ATTRIBUTES, *_LAZY_SUBMODULES]
 
 
+_lazy_attribute = lazy_getattr(__name__, _LAZY_ATTRIBUTES)
+
+
 def __getattr__(name: str) -> Any:
-    if name in _LAZY_ATTRIBUTES:
-        return getattr(importlib.import_module(_LAZY_ATTRIBUTES[name]), name)
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"lightspeed.{name}")
-    raise AttributeError(f"module 'lightspeed' has no attribute {name!r}")
+    return _lazy_attribute(name)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 
+from lightspeed._lazy import lazy_getattr
+
 # Each module listed here defines ``register(registry)``; add a line when a new strategy module lands.
 _STRATEGY_MODULES = (
     "lightspeed.strategies.zero",
@@ -21,9 +23,4 @@ def register_strategies() -> None:
         importlib.import_module(module_name).register(StrategyRegistry)
 
 
-def __getattr__(name: str):
-    if name == "ZeroStrategy":
-        from lightspeed.strategies.zero import ZeroStrategy
-
-        return ZeroStrategy
-    raise AttributeError(f"module 'lightspeed.strategies' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, {"ZeroStrategy": "lightspeed.strategies.zero"})

@@ -5,7 +5,7 @@ Importing this package does not import torch_xla; the XLA accelerator only loads
 
 from __future__ import annotations
 
-from typing import Any
+from lightspeed._lazy import lazy_getattr
 
 __all__ = ["XLAAccelerator", "register_accelerators"]
 
@@ -23,9 +23,4 @@ def register_accelerators() -> None:
     quiet_lightning_tpu_probe()
 
 
-def __getattr__(name: str) -> Any:
-    if name == "XLAAccelerator":
-        from lightspeed.plugins.accelerators.xla import XLAAccelerator
-
-        return XLAAccelerator
-    raise AttributeError(f"module 'lightspeed.plugins.accelerators' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, {"XLAAccelerator": "lightspeed.plugins.accelerators.xla"})
