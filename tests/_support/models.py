@@ -80,15 +80,16 @@ def rank_batches(n: int, world_size: int, batch: int, epoch: int, seed: int = 0)
 
 def reference_training(
     steps: int, world_size: int, batch: int, lr: float = 1e-2, weight_decay: float = 0.01, seed: int = 0,
-    n: int = 64,
+    n: int = 64, net: nn.Module | None = None,
 ) -> dict[str, torch.Tensor]:
     """Plain single-process PyTorch AdamW on the same global batches the ranks of a distributed run see.
 
     Each global batch is the union of the ranks' micro-batches; with equal micro-batch sizes the mean of the ranks'
-    mean losses (what data-parallel averaging optimises) is the mean over the global batch.
+    mean losses (what data-parallel averaging optimises) is the mean over the global batch. ``net`` trains another
+    network on the same data (default: ``make_net(seed)``); it is trained in place.
     """
     data = make_regression_data(n)
-    net = make_net(seed)
+    net = make_net(seed) if net is None else net
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
     done, epoch = 0, 0
     while done < steps:

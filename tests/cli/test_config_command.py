@@ -8,6 +8,7 @@ import pytest
 
 from lightspeed.cli.main import main
 from lightspeed.core.deepspeed_config import TrainingFacts, resolve_config, zero_preset
+from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV
 
 
 def _config(capsys, *argv: str) -> dict:
@@ -45,11 +46,25 @@ def test_only_the_given_flags_resolve(capsys):
     assert got["train_micro_batch_size_per_gpu"] == "auto"
 
 
-def test_nvme_needs_a_path_and_uses_it(capsys, tmp_path):
+def test_nvme_needs_a_path_and_uses_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv(NVME_PATH_ENV, raising=False)
     assert main(["config", "zero3_nvme"]) == 2
-    assert "zero3_nvme offloads to NVMe: pass --nvme-path DIR" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "lightspeed config: error: zero3_nvme offloads to NVMe: pass --nvme-path DIR (a directory on the NVMe drive) "
+        "or set LIGHTSPEED_NVME_PATH.\n")
     got = _config(capsys, "zero3_nvme", "--nvme-path", str(tmp_path))
     assert got["zero_optimization"]["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": str(tmp_path)}
+    # the strategy's fallback: $LIGHTSPEED_NVME_PATH, made absolute and created like ZeroStrategy does
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(NVME_PATH_ENV, "swap")
+    got = _config(capsys, "zero3_nvme")
+    swap = str((tmp_path / "swap").resolve())
+    assert (tmp_path / "swap").is_dir()
+    assert got["zero_optimization"]["offload_optimizer"]["nvme_path"] == swap
+    assert got["zero_optimization"]["offload_param"]["nvme_path"] == swap
+    assert got == zero_preset(3, "nvme", "nvme", nvme_path=swap)
+    got = _config(capsys, "zero3_nvme", "--nvme-path", str(tmp_path))  # the flag wins over the variable
+    assert got["zero_optimization"]["offload_param"]["nvme_path"] == str(tmp_path)
     assert main(["config", "zero2", "--nvme-path", str(tmp_path)]) == 2
     assert "zero2 does not offload to NVMe" in capsys.readouterr().err
 

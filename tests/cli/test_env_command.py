@@ -7,6 +7,7 @@ import json
 import platform
 
 from lightspeed.cli.env_command import strategies
+from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV
 from lightspeed.cli.main import main
 
 
@@ -28,7 +29,7 @@ def test_reports_versions_devices_ops_and_strategies(capsys):
     assert "lightspeed strategies" in text and "DeepSpeed ops" in text and f"torch          {versions['torch']}" in text
 
 
-def test_strategy_verdicts_follow_the_ops():
+def test_strategy_verdicts_follow_the_ops(monkeypatch):
     versions = {"torch_xla": None}
     usable = {"usable": True, "why": "prebuilt"}
     broken_adam = {"cpu_adam": {"usable": False, "why": "needs a C++ compiler and ninja"}, "async_io": usable}
@@ -41,3 +42,9 @@ def test_strategy_verdicts_follow_the_ops():
         "DeepSpeed's async_io op is not usable: missing libaio: apt-get install libaio-dev")
     assert strategies(None, versions)["zero2"] == "DeepSpeed is not installed (pip install deepspeed)"
     assert "needs torch_xla" in strategies(broken_adam, versions)["xla_exact"]
+    all_usable = {"cpu_adam": usable, "async_io": usable}
+    monkeypatch.delenv(NVME_PATH_ENV, raising=False)
+    assert strategies(all_usable, versions)["zero3_nvme"] == (
+        "can run, given nvme_path= or $LIGHTSPEED_NVME_PATH (a directory on an NVMe drive)")
+    monkeypatch.setenv(NVME_PATH_ENV, "/tmp/swap")
+    assert strategies(all_usable, versions)["zero3_nvme"] is None

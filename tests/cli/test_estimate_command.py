@@ -74,6 +74,12 @@ def test_factory_is_built_on_the_meta_device(tmp_path, monkeypatch, capsys):
         (["estimate", "--params", "10", "--largest-layer", "1", "--devices", "0"], "devices per node must be at least 1, got 0"),
         (["estimate", "--params", "10", "--largest-layer", "1", "--gpu-memory", "lots"], "Cannot read --gpu-memory 'lots'"),
         (["estimate", "--params", "10", "--largest-layer", "1", "--precision", "64-true"], "Unsupported precision '64-true'"),
+        (["estimate", "--params", "10", "--largest-layer", "1", "--precision", "16"], "Unsupported precision '16'"),
+        # a bare number could be bytes or GiB: the message says how to write it
+        (["estimate", "--params", "10", "--largest-layer", "1", "--gpu-memory", "80"],
+         "--gpu-memory '80' has no unit: write e.g. '80GB' (10^9 bytes) or '80GiB' (2^30 bytes)."),
+        (["estimate", "--params", "10", "--largest-layer", "1", "--cpu-memory", "256"],
+         "--cpu-memory '256' has no unit: write e.g. '256GB' (10^9 bytes) or '256GiB' (2^30 bytes)."),
     ],
 )
 def test_bad_input_is_one_message_and_exit_2(capsys, argv, message):

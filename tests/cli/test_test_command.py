@@ -4,12 +4,18 @@ comparison on synthetic results, and the known-cause fixes."""
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from lightspeed.cli.main import main
-from lightspeed.cli.test_command import compare_ranks, diagnose
+from lightspeed.cli.test_command import compare_ranks, diagnose, run_process_group
+from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV
 
 
 def test_zero2_on_two_cpu_processes_is_ready(capsys):
@@ -22,14 +28,61 @@ def test_zero2_on_two_cpu_processes_is_ready(capsys):
     assert out[-1] == "READY: zero2 trains on this machine with 2 processes and they agree."
 
 
-def test_a_run_that_breaks_fails_with_the_cause(capsys):
+def test_a_run_that_breaks_fails_with_the_cause(capsys, tmp_path):
+    # --keep DIR of an earlier run: its results and logs must not be read as this run's
+    stale = _result(0)
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(stale | {"rank": rank}))
+    (tmp_path / "logs" / "old").mkdir(parents=True)
+    (tmp_path / "logs" / "old" / "stderr.log").write_text("fatal error: libaio.h: No such file or directory")
     # fp16 has no CPU kernels in DeepSpeed: every rank stops in Trainer(...) with the strategy's message
-    assert main(["test", "--strategy", "zero2", "--devices", "2", "--accelerator", "cpu", "--precision", "16-mixed"]) == 1
+    assert main(["test", "--strategy", "zero2", "--devices", "2", "--accelerator", "cpu", "--precision", "16-mixed",
+                 "--keep", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "  FAIL  the run finished: exit code 1: " in out
     assert "`precision='16-mixed'` needs a CUDA GPU" in out
-    assert "  FAIL  processes started: ranks [] of 2" in out
+    assert "  FAIL  processes started: ranks [] of 2" in out  # the stale rank files were removed before launching
+    assert "libaio" not in out and not (tmp_path / "logs" / "old").exists()
     assert out.rstrip().splitlines()[-1] == "NOT READY: 2 check(s) failed for zero2."
+    assert list(tmp_path.glob("logs/*/attempt_0/*/stderr.log"))  # this run's logs are kept
+
+
+_HANGING_LAUNCHER = """
+import signal, subprocess, sys, time
+from pathlib import Path
+pid_file = Path(sys.argv[1])
+worker = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+          "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)")
+subprocess.Popen([sys.executable, "-c", worker, str(pid_file)])  # a worker that even ignores SIGTERM
+while not pid_file.exists() or not pid_file.read_text():
+    time.sleep(0.05)
+print("worker started", flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")  # a zombie waiting to be reaped has exited
+
+
+def test_a_hung_launch_is_killed_with_all_its_workers(tmp_path):
+    pid_file = tmp_path / "worker.pid"
+    started = time.monotonic()
+    proc = run_process_group([sys.executable, "-c", _HANGING_LAUNCHER, str(pid_file)], dict(os.environ), timeout=8,
+                             grace=1)
+    assert proc.returncode == 124
+    assert proc.stdout == "worker started\n"  # output up to the timeout is kept for the diagnosis
+    assert proc.stderr.endswith("\nTimed out after 8 s")
+    assert time.monotonic() - started < 30
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker), "the launcher's worker outlived the timeout"
 
 
 def _result(rank: int) -> dict:
@@ -89,10 +142,12 @@ def test_unknown_failure_has_no_made_up_fix():
     assert diagnose("ValueError: something nobody anticipated") is None
 
 
-def test_bad_arguments_exit_2(capsys):
+def test_bad_arguments_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv(NVME_PATH_ENV, raising=False)
     assert main(["test", "--strategy", "zero2_ofload"]) == 2
     assert "Unknown strategy 'zero2_ofload'. Did you mean 'zero2_offload'?" in capsys.readouterr().err
     assert main(["test", "--strategy", "zero3_nvme", "--accelerator", "cpu"]) == 2
-    assert "zero3_nvme offloads to NVMe: pass --nvme-path DIR" in capsys.readouterr().err
+    assert "zero3_nvme offloads to NVMe: pass --nvme-path DIR (a directory on an NVMe drive) or set " \
+           "LIGHTSPEED_NVME_PATH." in capsys.readouterr().err
     assert main(["test", "--steps", "0", "--accelerator", "cpu"]) == 2
     assert "--steps must be at least 1, got 0" in capsys.readouterr().err

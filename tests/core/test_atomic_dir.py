@@ -49,3 +49,44 @@ def test_interrupted_save_is_detected_and_cleaned_up(tmp_path: Path) -> None:
 def test_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(atomic_dir.IncompleteCheckpointError, match="is not a directory"):
         atomic_dir.require_complete(tmp_path / "missing")
+
+
+def test_failed_swap_puts_the_previous_checkpoint_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    target = tmp_path / "last.ckpt"
+    _write(atomic_dir.prepare_staging(target), "old")
+    atomic_dir.commit(target)
+    _write(atomic_dir.prepare_staging(target), "new")
+    real_replace = os.replace
+
+    def failing_second_rename(src, dst):
+        if Path(src) == atomic_dir.staging_path(target):
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(atomic_dir.os, "replace", failing_second_rename)
+    with pytest.raises(OSError, match="No space left"):
+        atomic_dir.commit(target)
+    monkeypatch.undo()
+    atomic_dir.require_complete(target)
+    assert (target / "rank_0.pt").read_text() == "old"
+    assert not atomic_dir.replaced_path(target).exists()
+
+
+def test_target_lost_mid_swap_points_to_the_previous_copy(tmp_path: Path) -> None:
+    target = tmp_path / "last.ckpt"
+    _write(atomic_dir.prepare_staging(target), "old")
+    atomic_dir.commit(target)
+    target.rename(atomic_dir.replaced_path(target))  # as if killed between the two renames
+    with pytest.raises(atomic_dir.IncompleteCheckpointError, match=r"holds the previous version .* Rename it back"):
+        atomic_dir.require_complete(target)
+
+
+def test_stale_staging_directories_are_swept(tmp_path: Path) -> None:
+    crashed = atomic_dir.prepare_staging(tmp_path / "epoch=3.ckpt")
+    current = atomic_dir.prepare_staging(tmp_path / "epoch=4.ckpt")
+    (tmp_path / "keep.lightspeed-staging.txt").write_text("a file, not a staging directory")
+    removed = atomic_dir.remove_stale_staging(tmp_path, keep=current)
+    assert removed == [crashed]
+    assert current.is_dir() and not crashed.exists()

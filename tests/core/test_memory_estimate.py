@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightspeed.core.deepspeed_config.facts import PRECISIONS
 from lightspeed.core.memory import (
     GIB,
     ZERO_OPTIONS,
@@ -25,6 +26,7 @@ from lightspeed.core.memory import (
     estimate_option,
     explain_no_fit,
     format_table,
+    measure_budgets,
     parse_count,
     parse_size,
     plan,
@@ -289,6 +291,17 @@ def test_bad_cluster_precision_and_margin():
         Cluster(1, nodes=-2)
     with pytest.raises(MemoryPlanError, match=r"Unsupported precision '64-true'"):
         Accounting(precision="64-true")
+
+
+@pytest.mark.parametrize("precision", ["16", "32", "bf16", 16, "64-true"])
+def test_only_the_strategy_precisions_are_accepted(precision):
+    # the ZeRO strategies take exactly these names; an estimate for another would plan a run that cannot start
+    with pytest.raises(MemoryPlanError, match=re.escape(
+            f"Unsupported precision {precision!r} for a ZeRO estimate: use one of 32-true, 16-mixed, bf16-mixed, "
+            "16-true, bf16-true")):
+        Accounting(precision=precision)
+    assert {p: Accounting(precision=p).param_bytes for p in PRECISIONS} == {
+        "32-true": 4, "16-mixed": 2, "bf16-mixed": 2, "16-true": 2, "bf16-true": 2}
     with pytest.raises(MemoryPlanError, match=r"safety margin .* between 0 and 1; got 1.5"):
         plan(COUNTS_7B, Cluster(1), Budgets(GIB, GIB), safety_margin=1.5)
     with pytest.raises(MemoryPlanError, match=r"parameter offload needs ZeRO stage 3"):
@@ -297,14 +310,18 @@ def test_bad_cluster_precision_and_margin():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("80GB", 80 * 10**9), ("24GiB", 24 * GIB), ("16", 16 * GIB), ("512MiB", 512 * 2**20), ("1.5T", int(1.5 * 2**40)),
-     (8, 8), (3 * GIB, 3 * GIB)],  # an int is a number of bytes (the Python API), a bare string GiB (the CLI)
+    [("80GB", 80 * 10**9), ("24GiB", 24 * GIB), ("24G", 24 * GIB), ("512MiB", 512 * 2**20),
+     ("1.5T", int(1.5 * 2**40)), (8, 8), (3 * GIB, 3 * GIB)],  # an int is a number of bytes
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
 def test_parse_size_and_count_errors():
+    # a bare number could mean bytes or GiB: the planner's wrapper refuses it with its own exception type
+    with pytest.raises(MemoryPlanError, match=r"--gpu-memory '16' has no unit: write e.g. '16GB' \(10\^9 bytes\) or "
+                                              r"'16GiB' \(2\^30 bytes\)"):
+        parse_size("16", "--gpu-memory")
     with pytest.raises(MemoryPlanError, match=r"Unknown unit 'XB' in --gpu-memory '4XB'"):
         parse_size("4XB", "--gpu-memory")
     with pytest.raises(MemoryPlanError, match=r"Cannot read --cpu-memory 'lots'"):
@@ -314,3 +331,23 @@ def test_parse_size_and_count_errors():
     with pytest.raises(MemoryPlanError, match=r"--params must be a number such as 7e9, got 'seven'"):
         parse_count("seven", "--params")
     assert parse_count("1.3e8", "--largest-layer") == 130_000_000
+
+
+def test_measure_budgets_takes_overrides_and_measures_the_rest(tmp_path, monkeypatch):
+    import shutil
+
+    from lightspeed.core import deepspeed_runtime
+
+    given = measure_budgets(device_memory=24 * GIB, host_memory=64 * GIB, device=torch.device("cpu"))
+    assert given == Budgets(24 * GIB, 64 * GIB, None, None)  # overrides win, even over a CPU device
+    cpu = measure_budgets(device=torch.device("cpu"))
+    assert cpu.device_memory is None  # CPU processes: no device budget, they share the host memory
+    assert abs(cpu.host_memory - psutil.virtual_memory().available) < 2 * GIB
+    if not torch.cuda.is_available():
+        assert measure_budgets().device_memory is None  # no GPU visible: nothing to measure
+
+    monkeypatch.setattr(deepspeed_runtime, "async_io_problem", lambda: "no async_io here")
+    nvme = measure_budgets(host_memory=GIB, nvme_path=tmp_path / "not" / "yet")
+    assert nvme.nvme_unusable == "no async_io here"  # NVMe budgets say whether the offload can run at all
+    assert abs(nvme.nvme_free - shutil.disk_usage(tmp_path).free) < 256 * 2**20  # the nearest existing parent
+    assert measure_budgets(host_memory=GIB).nvme_unusable is None  # no path: async_io is not probed

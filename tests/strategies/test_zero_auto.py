@@ -24,7 +24,6 @@ from lightspeed.core.memory import (
     plan,
 )
 from strategies.scripts.zero_auto_models import DeepRegressionModule, make_deep_net
-from strategies.scripts.zero_auto_models import reference_training as deep_reference_training
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_auto_train.py"
 STEPS, DEVICES, BATCH, MARGIN = 4, 2, 4, 0.2
@@ -83,7 +82,7 @@ def regression_reference() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def deep_reference() -> dict[str, torch.Tensor]:
-    return deep_reference_training(make_deep_net(), steps=STEPS, world_size=DEVICES, batch=BATCH)
+    return reference_training(steps=STEPS, world_size=DEVICES, batch=BATCH, net=make_deep_net())
 
 
 def test_measured_budgets_pick_zero1_for_a_small_model(results, regression_reference):
@@ -153,3 +152,7 @@ def test_registered_and_rejects_what_it_chooses_itself():
         ZeroAutoStrategy(safety_margin=1.5)
     with pytest.raises(MemoryPlanError, match=r"Cannot read host_memory 'lots'"):
         ZeroAutoStrategy(host_memory="lots")
+    with pytest.raises(MemoryPlanError, match=r"device_memory '24' has no unit: write e.g. '24GB'"):
+        ZeroAutoStrategy(device_memory="24")
+    strategy = ZeroAutoStrategy(device_memory="24GiB", host_memory=5 * 10**9)  # the one size parser: ints are bytes
+    assert (strategy.device_memory, strategy.host_memory) == (24 * 2**30, 5 * 10**9)

@@ -129,3 +129,8 @@ def test_config_contradicting_the_trainer_lists_every_mismatch(setup_errors) -> 
     assert message.startswith("DeepSpeedConfigError")
     assert "gradient_accumulation_steps=8 in the DeepSpeed config, but Trainer(accumulate_grad_batches=4)" in message
     assert "gradient_clipping=0.5" in message and "gradient_clip_val=1.0" in message
+
+
+def test_boolean_zero_optimization_is_refused() -> None:
+    with pytest.raises(DeepSpeedConfigError, match=r"`zero_optimization` must be an object such as \{\"stage\": 2\}"):
+        ZeroStrategy(stage=2, config={"zero_optimization": True})

@@ -8,11 +8,13 @@ import contextlib
 import copy
 import difflib
 import json
+import os
 import sys
 import warnings
 from typing import Any
 
 from lightspeed.cli.main import EXIT_OK, UsageError
+from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV, resolve_nvme_path
 
 # dotted config key -> the flag whose value resolves it; "auto" keys not listed are always left as "auto"
 _SOURCES = {
@@ -47,7 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--precision", help="Trainer(precision=...): 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true")
     parser.add_argument("--gradient-clip", type=float, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--hidden-size", type=int, help="model hidden size (sets ZeRO bucket sizes)")
-    parser.add_argument("--nvme-path", help="directory on the NVMe drive (for NVMe strategies)")
+    parser.add_argument("--nvme-path", help="directory on the NVMe drive (for NVMe strategies; default "
+                        f"${NVME_PATH_ENV}, as for the strategy)")
     parser.add_argument("--config", dest="user_config", help="a DeepSpeed JSON merged over the preset (its values win)")
 
 
@@ -70,9 +73,11 @@ def _preset_kwargs(name: str, nvme_path: str | None) -> dict[str, Any]:
     kwargs = presets[name]
     uses_nvme = "nvme" in (kwargs.get("offload_optimizer"), kwargs.get("offload_parameters"))
     if uses_nvme:
-        if not nvme_path:
-            raise UsageError(f"{name} offloads to NVMe: pass --nvme-path DIR (a directory on the NVMe drive).")
-        kwargs["nvme_path"] = nvme_path
+        if not (nvme_path or os.environ.get(NVME_PATH_ENV)):
+            raise UsageError(f"{name} offloads to NVMe: pass --nvme-path DIR (a directory on the NVMe drive) or set "
+                             f"{NVME_PATH_ENV}.")
+        # the same directory the strategy would use: absolute, created if missing, checked writable
+        kwargs["nvme_path"] = resolve_nvme_path(nvme_path or None)
     elif nvme_path:
         raise UsageError(f"--nvme-path is only used by NVMe strategies, and {name} does not offload to NVMe.")
     return kwargs

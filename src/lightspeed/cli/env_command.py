@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from lightspeed.cli.main import EXIT_OK
+from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV, export_deepspeed_accelerator
 
 PACKAGES = ("torch", "lightning", "deepspeed", "torch_xla", "torchmetrics", "safetensors", "transformers", "lightspeed")
 # ops lightspeed's strategies use, and why
@@ -81,11 +82,14 @@ def compiler_available() -> bool:
     return shutil.which(compiler) is not None and is_ninja_available()
 
 
-def deepspeed_ops() -> dict[str, dict[str, Any]]:
-    """Every DeepSpeed op for this machine's accelerator: prebuilt, compiled in the cache, compatible, usable."""
-    import torch
+def deepspeed_ops(kind: str | None = None) -> dict[str, dict[str, Any]]:
+    """Every DeepSpeed op for the ``kind`` of device ("cpu" or "cuda"; default: "cuda" when a GPU is visible, else
+    "cpu"): prebuilt, compiled in the cache, compatible, usable."""
+    if kind is None:
+        import torch
 
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    export_deepspeed_accelerator(kind)  # before DeepSpeed is imported: its op builders follow the accelerator
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
@@ -145,8 +149,8 @@ def strategies(ops: dict[str, dict[str, Any]] | None, versions: dict[str, str | 
                     problem = op_problem("cpu_adam")
                 if problem is None and "nvme" in targets:
                     problem = op_problem("async_io")
-                    if problem is None and not os.environ.get("LIGHTSPEED_NVME_PATH"):
-                        problem = "can run, given nvme_path= or $LIGHTSPEED_NVME_PATH (a directory on an NVMe drive)"
+                    if problem is None and not os.environ.get(NVME_PATH_ENV):
+                        problem = f"can run, given nvme_path= or ${NVME_PATH_ENV} (a directory on an NVMe drive)"
         result[name] = problem
     return result
 

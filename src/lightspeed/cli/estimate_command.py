@@ -15,7 +15,7 @@ examples:
   lightspeed estimate --params 7e9 --largest-layer 1.3e8 --devices 1 --gpu-memory 80GB --cpu-memory 256GB
 
 The factory is called with no arguments inside `with torch.device("meta")`, so even a 70B model costs no memory.
-Sizes: 80GB (10^9 bytes), 80GiB or 80G (2^30), or a bare number of GiB. Exit code 2 when no option fits.
+Sizes need a unit: 80GB (10^9 bytes), 80GiB or 80G (2^30 bytes). Exit code 2 when no option fits.
 """
 
 
@@ -38,8 +38,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="Lightning precision: bf16-mixed (default), 16-mixed, bf16-true, 16-true or 32-true")
     parser.add_argument("--optimizer-state-bytes", type=int, default=8,
                         help="optimizer state per parameter: 8 for Adam/AdamW (default), 4 SGD+momentum, 0 SGD")
-    parser.add_argument("--gpu-memory", help="memory per device instead of the free memory of the GPUs here")
-    parser.add_argument("--cpu-memory", help="host memory per node instead of the memory available here")
+    parser.add_argument("--gpu-memory", metavar="SIZE",
+                        help="memory per device, with a unit (80GB, 24GiB), instead of the free memory of the GPUs here")
+    parser.add_argument("--cpu-memory", metavar="SIZE",
+                        help="host memory per node, with a unit (256GB, 64GiB), instead of the memory available here")
     parser.add_argument("--nvme-path", help="directory on the NVMe drive; its free space is the NVMe budget")
     parser.add_argument("--zero-init", action="store_true",
                         help="the model is built partitioned (LightningModule.configure_model / deepspeed.zero.Init)")
@@ -65,16 +67,13 @@ def _counts(args: argparse.Namespace):
 
 
 def _budgets(args: argparse.Namespace):
-    from lightspeed.core.memory import Budgets, cuda_memory_free, host_memory_available, nvme_free, parse_size
+    from lightspeed.core.memory import measure_budgets, parse_size
 
-    device = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else cuda_memory_free()
-    host = parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else host_memory_available()
-    unusable = None
-    if args.nvme_path:
-        from lightspeed.core.deepspeed_runtime import async_io_problem
-
-        unusable = async_io_problem()
-    return Budgets(device, host, nvme_free(args.nvme_path), unusable)
+    return measure_budgets(
+        device_memory=parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None,
+        host_memory=parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None,
+        nvme_path=args.nvme_path,
+    )
 
 
 def _devices(args: argparse.Namespace) -> int:

@@ -3,7 +3,12 @@ lightspeed strategy, then checks that the processes agree (RNG, initial and fina
 a final verdict, exit code 1 when something failed and the fix when the cause is a known one.
 
 The same module is the worker: ``torchrun ... -m lightspeed.cli.test_command --worker OUT_DIR`` runs one rank
-and writes what it saw to ``OUT_DIR/rank<N>.json``; the command compares those files.
+and writes what it saw to ``OUT_DIR/rank<N>.json``; the command compares those files. torchrun and its workers run
+in their own process group, so a run that hangs past ``--timeout`` is killed whole (no orphaned workers).
+
+Test hook: the environment variable ``LIGHTSPEED_TEST_INJECT_FAULT`` (:data:`TEST_HOOK_FAULT_ENV`) exists only so
+lightspeed's own tests can check the failure path on a real run. Set to ``weights``, rank 1 reports final weights
+that differ from the other ranks'. Leave it unset in real use.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import json
 import math
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from lightspeed.cli.main import EXIT_CHECK_FAILED, EXIT_OK, UsageError
+from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV, export_deepspeed_accelerator
 
-FAULT_ENV = "LIGHTSPEED_TEST_INJECT_FAULT"
-"""Set to ``weights`` to make rank 1 report different final weights: exercises the failure path (for tests)."""
+TEST_HOOK_FAULT_ENV = "LIGHTSPEED_TEST_INJECT_FAULT"
+"""Test hook only (see the module docstring): ``weights`` makes rank 1 report different final weights."""
 SEED = 1234
 
 
@@ -131,7 +139,7 @@ def run_worker(args: argparse.Namespace) -> int:
     )
     trainer.fit(model, DataLoader(data, batch_size=4))
     rng_after_training = torch.get_rng_state()
-    final = _full_weights_digest(model, perturb=os.environ.get(FAULT_ENV) == "weights" and rank == 1)
+    final = _full_weights_digest(model, perturb=os.environ.get(TEST_HOOK_FAULT_ENV) == "weights" and rank == 1)
     result = {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
@@ -170,7 +178,7 @@ KNOWN_CAUSES: tuple[tuple[str, str], ...] = (
      "Ubuntu), or install a DeepSpeed built with DS_BUILD_CPU_ADAM=1."),
     (r"libaio|aio\.h|async_io op is not", "NVMe offload needs DeepSpeed's async_io op: `apt-get install libaio-dev`, then "
      "run again (DeepSpeed compiles it on first use)."),
-    (r"NVMe offload needs a directory|LIGHTSPEED_NVME_PATH", "pass --nvme-path DIR (a directory on an NVMe drive)."),
+    (rf"NVMe offload needs a directory|{NVME_PATH_ENV}", "pass --nvme-path DIR (a directory on an NVMe drive)."),
     (r"CUDA out of memory|OutOfMemoryError", "a GPU ran out of memory: close other jobs on it or use fewer/other GPUs."),
     (r"Address already in use|EADDRINUSE", "the rendezvous port was taken: run again."),
 )
@@ -267,12 +275,18 @@ def _check_strategy(name: str, nvme_path: str | None) -> dict[str, Any]:
         raise UsageError(f"Unknown strategy {name!r}.{hint} `lightspeed env` lists the lightspeed strategies.")
     params = StrategyRegistry[name].get("init_params", {})
     if "nvme" in (params.get("offload_optimizer"), params.get("offload_parameters")):
-        if not (nvme_path or os.environ.get("LIGHTSPEED_NVME_PATH")):
-            raise UsageError(f"{name} offloads to NVMe: pass --nvme-path DIR (a directory on an NVMe drive).")
+        if not (nvme_path or os.environ.get(NVME_PATH_ENV)):
+            raise UsageError(f"{name} offloads to NVMe: pass --nvme-path DIR (a directory on an NVMe drive) or set "
+                             f"{NVME_PATH_ENV}.")
     return params
 
 
-def _preflight(params: dict[str, Any]) -> list[Check]:
+def _deepspeed_kind(accelerator: str) -> str:
+    """DeepSpeed's accelerator ("cuda" or "cpu") for the Trainer accelerator of this run."""
+    return "cuda" if accelerator == "gpu" else "cpu"
+
+
+def _preflight(params: dict[str, Any], accelerator: str) -> list[Check]:
     """Checks that can fail before anything is launched: the DeepSpeed ops the strategy needs."""
     targets = {params.get("offload_optimizer", "none"), params.get("offload_parameters", "none")}
     needed = (["cpu_adam"] if targets & {"cpu", "nvme"} else []) + (["async_io"] if "nvme" in targets else [])
@@ -281,7 +295,7 @@ def _preflight(params: dict[str, Any]) -> list[Check]:
     from lightspeed.cli.env_command import deepspeed_ops
 
     with contextlib.redirect_stdout(sys.stderr):
-        ops = deepspeed_ops()
+        ops = deepspeed_ops(_deepspeed_kind(accelerator))
     checks = []
     for op in needed:
         entry = ops.get(op, {"usable": False, "why": "not available for this accelerator"})
@@ -289,27 +303,64 @@ def _preflight(params: dict[str, Any]) -> list[Check]:
     return checks
 
 
+def run_process_group(command: list[str], env: dict[str, str], timeout: float, grace: float = 10.0) -> subprocess.CompletedProcess:
+    """Run ``command`` in a new process group and capture its output; past ``timeout`` seconds (or on Ctrl-C) the
+    whole group gets SIGTERM, then SIGKILL after ``grace`` seconds, so torchrun's workers die with it.
+
+    ``subprocess.run(timeout=...)`` would kill only torchrun and leave its workers running (holding the port, the
+    GPUs and memory). A timeout returns exit code 124 with the reason appended to stderr.
+    """
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        _signal_group(proc.pid, signal.SIGKILL)  # whatever outlived the leader (a worker ignoring SIGTERM)
+        return subprocess.CompletedProcess(command, 124, out, (err or "") + f"\nTimed out after {timeout:.0f} s")
+    except BaseException:  # Ctrl-C (KeyboardInterrupt) or any other error: never leave the workers behind
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass  # the group is gone already
+
+
+def _clear_stale_results(work: Path) -> None:
+    """Remove results and logs of an earlier run in ``work`` (``--keep DIR`` reused), so they cannot be read as
+    this run's when it fails before writing its own."""
+    for path in work.glob("rank*.json"):
+        path.unlink()
+    shutil.rmtree(work / "logs", ignore_errors=True)
+
+
 def _launch(args: argparse.Namespace, accelerator: str, devices: int, precision: str, work: Path) -> subprocess.CompletedProcess:
+    export_deepspeed_accelerator(_deepspeed_kind(accelerator))  # inherited by torchrun and every rank
     env = dict(os.environ)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         env.pop(key, None)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["DS_ACCELERATOR"] = "cuda" if accelerator == "gpu" else "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     if args.nvme_path:
-        env["LIGHTSPEED_NVME_PATH"] = args.nvme_path
+        env[NVME_PATH_ENV] = args.nvme_path
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={devices}", "--nnodes=1",
         "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "--log_dir", str(work / "logs"), "--redirects", "3",
         "-m", "lightspeed.cli.test_command", "--worker", str(work), "--strategy", args.strategy,
         "--accelerator", accelerator, "--devices", str(devices), "--steps", str(args.steps), "--precision", precision,
     ]
-    try:
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired as expired:
-        out = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        err = expired.stderr.decode() if isinstance(expired.stderr, bytes) else (expired.stderr or "")
-        return subprocess.CompletedProcess(command, 124, out, err + f"\nTimed out after {args.timeout:.0f} s")
+    return run_process_group(command, env, args.timeout)
 
 
 def _worker_logs(work: Path) -> str:
@@ -325,12 +376,13 @@ def run(args: argparse.Namespace) -> int:
     kind = f"{devices} GPU(s)" if accelerator == "gpu" else f"{devices} CPU processes (gloo)"
     print(f"lightspeed test: {args.strategy} on {kind}, {args.steps} steps, precision {precision}", flush=True)
 
-    checks = _preflight(params)
+    checks = _preflight(params, accelerator)
     if all(check.passed for check in checks):
         work_context = contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="lightspeed-test-")
         with work_context as work_dir:
             work = Path(work_dir)
             work.mkdir(parents=True, exist_ok=True)
+            _clear_stale_results(work)
             proc = _launch(args, accelerator, devices, precision, work)
             results = [json.loads(path.read_text()) for path in sorted(work.glob("rank*.json"))]
             log = "\n".join((proc.stdout or "", proc.stderr or "", _worker_logs(work)))

@@ -48,16 +48,45 @@ def commit(target: str | os.PathLike, manifest: dict[str, Any] | None = None) ->
     marker_tmp = staging / (COMPLETE_MARKER + ".tmp")
     marker_tmp.write_text(json.dumps(record, indent=2, default=str))
     os.replace(marker_tmp, staging / COMPLETE_MARKER)
-    if target.exists() or target.is_symlink():
-        replaced = target.with_name(target.name + _REPLACED_SUFFIX)
-        if replaced.exists():
-            _remove(replaced)
-        os.replace(target, replaced)
-        os.replace(staging, target)
-        _remove(replaced)
-    else:
-        os.replace(staging, target)
+    swap_into_place(staging, target)
     return target
+
+
+def swap_into_place(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Rename directory ``source`` onto ``target``, replacing what is there, without a moment where neither exists
+    under a known name: the old one is first renamed aside (``<target>.lightspeed-replaced``), and renamed back if
+    the second rename fails. Only after the new one is in place is the old one deleted."""
+    source, target = Path(source), Path(target)
+    if not (target.exists() or target.is_symlink()):
+        os.replace(source, target)
+        return
+    replaced = replaced_path(target)
+    if replaced.exists():
+        _remove(replaced)
+    os.replace(target, replaced)
+    try:
+        os.replace(source, target)
+    except BaseException:
+        os.replace(replaced, target)
+        raise
+    _remove(replaced)
+
+
+def replaced_path(target: str | os.PathLike) -> Path:
+    """Where :func:`swap_into_place` keeps the previous directory while the new one moves in."""
+    target = Path(target)
+    return target.with_name(target.name + _REPLACED_SUFFIX)
+
+
+def remove_stale_staging(directory: str | os.PathLike, keep: str | os.PathLike | None = None) -> list[Path]:
+    """Delete staging directories of interrupted saves in ``directory`` (except ``keep``); returns what went."""
+    removed = []
+    keep_path = Path(keep).resolve() if keep is not None else None
+    for leftover in Path(directory).glob("*" + _STAGING_SUFFIX):
+        if leftover.is_dir() and leftover.resolve() != keep_path:
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover)
+    return removed
 
 
 def is_complete(directory: str | os.PathLike) -> bool:
@@ -68,6 +97,11 @@ def is_complete(directory: str | os.PathLike) -> bool:
 def require_complete(directory: str | os.PathLike) -> None:
     """Raise :class:`IncompleteCheckpointError` unless ``directory`` was committed by :func:`commit`."""
     directory = Path(directory)
+    if not directory.exists() and replaced_path(directory).is_dir():
+        raise IncompleteCheckpointError(
+            f"Checkpoint {str(directory)!r} is missing, but {str(replaced_path(directory))!r} holds the previous "
+            "version (a save was interrupted while swapping directories). Rename it back to resume from it."
+        )
     if not directory.is_dir():
         raise IncompleteCheckpointError(f"Checkpoint {str(directory)!r} is not a directory.")
     if not is_complete(directory):

@@ -47,9 +47,11 @@ from lightspeed.core.deepspeed_config import (
     zero_preset,
 )
 from lightspeed.core.deepspeed_runtime import (
+    NVME_PATH_ENV,
     async_io_problem,
     deepspeed_device_rank,
     export_deepspeed_accelerator,
+    resolve_nvme_path,
     use_deepspeed_accelerator,
 )
 from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationMixin
@@ -62,8 +64,6 @@ log = logging.getLogger(__name__)
 
 #: file written next to DeepSpeed's files in every checkpoint directory
 RESOLVED_CONFIG_FILENAME = "ds_config.json"
-#: environment variable naming the NVMe offload directory when ``nvme_path`` is not passed
-NVME_PATH_ENV = "LIGHTSPEED_NVME_PATH"
 _OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 
 #: registered strategy name -> (constructor arguments, description)
@@ -100,29 +100,6 @@ def _offload_target(value: Union[str, bool, None], argument: str) -> str:
             f"`{argument}={value!r}` is not an offload target. Use one of {_OFFLOAD_TARGETS} (or True for 'cpu')."
         )
     return value
-
-
-def _checked_nvme_path(nvme_path: Optional[_PATH]) -> str:
-    path = nvme_path if nvme_path is not None else os.environ.get(NVME_PATH_ENV)
-    if not path:
-        raise DeepSpeedConfigError(
-            "NVMe offload needs a directory on a fast local disk: pass `ZeroStrategy(nvme_path=...)` or set the "
-            f"environment variable {NVME_PATH_ENV}."
-        )
-    path = Path(path).expanduser()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DeepSpeedConfigError(
-            f"NVMe offload path {str(path)!r} cannot be created ({err.strerror}). Choose a writable directory via "
-            f"`nvme_path=` or {NVME_PATH_ENV}."
-        ) from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise DeepSpeedConfigError(
-            f"NVMe offload path {str(path)!r} is not writable. Choose a writable directory via `nvme_path=` or "
-            f"{NVME_PATH_ENV}."
-        )
-    return str(path.resolve())
 
 
 class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
@@ -176,7 +153,7 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         optimizer_target = _offload_target(offload_optimizer, "offload_optimizer")
         parameter_target = _offload_target(offload_parameters, "offload_parameters")
         uses_nvme = "nvme" in (optimizer_target, parameter_target)
-        resolved_nvme_path = _checked_nvme_path(nvme_path) if uses_nvme else None
+        resolved_nvme_path = resolve_nvme_path(nvme_path) if uses_nvme else None
 
         user_config = load_user_config(config)
         preset = zero_preset(
@@ -191,6 +168,11 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
             param_persistence_threshold=param_persistence_threshold,
             sub_group_size=sub_group_size,
         )
+        if not isinstance(user_config.get("zero_optimization", {}), dict):
+            raise DeepSpeedConfigError(
+                "`zero_optimization` must be an object such as {\"stage\": 2}; lightspeed's ZeRO strategies choose "
+                "the stage by name or `stage=`, so the boolean form is not accepted."
+            )
         merged = merge_configs(preset, user_config)
         validate_keys(merged)
 
@@ -212,6 +194,7 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         self.uses_nvme = uses_nvme
         self._train_engine: Optional["deepspeed.DeepSpeedEngine"] = None
         self._config_logged = False
+        self._swept_staging = False
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -430,16 +413,16 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         self.model = engine
 
     def teardown(self) -> None:
-        if self._train_engine is not None:
-            # Keep the engine's (possibly sharded) weights where they are: Lightning's default teardown moves the
-            # module to the CPU, which would break evaluation that reuses the engine after `fit`.
-            assert self.lightning_module is not None
-            self.precision_plugin.teardown()
-            assert self.accelerator is not None
-            self.accelerator.teardown()
-            self.checkpoint_io.teardown()
+        if self._train_engine is None or self._device_kind() == "cpu":
+            super().teardown()
             return
-        super().teardown()
+        # CUDA with the training engine kept for evaluation after `fit`: everything Lightning's teardown does except
+        # moving the module and optimizer states to the CPU, which would break the engine's (sharded) weights.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
@@ -450,30 +433,56 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
                 "writes the checkpoint files itself."
             )
         filepath = self.broadcast(str(filepath))
-        if self.is_global_zero:
-            atomic_dir.prepare_staging(filepath)
-        self.barrier("lightspeed_checkpoint_staging")
         staging = atomic_dir.staging_path(filepath)
-        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.deepspeed_engine.save_checkpoint(
-            str(staging), client_state=client_state, tag="checkpoint",
-            exclude_frozen_parameters=self.exclude_frozen_parameters,
-        )
-        self.barrier("lightspeed_checkpoint_written")
-        if self.is_global_zero:
-            (staging / RESOLVED_CONFIG_FILENAME).write_text(describe_config(self.config))
-            atomic_dir.commit(filepath, manifest={
-                "writer": "lightspeed",
-                "world_size": self.world_size,
-                "zero_stage": self.stage,
-                "tag": "checkpoint",
-                "global_step": checkpoint.get("global_step"),
-                "epoch": checkpoint.get("epoch"),
-            })
-        self.barrier("lightspeed_checkpoint_committed")
+
+        def prepare() -> None:
+            if self.is_global_zero:
+                if not self._swept_staging:  # leftovers of saves that crashed in an earlier run
+                    atomic_dir.remove_stale_staging(staging.parent)
+                    self._swept_staging = True
+                atomic_dir.prepare_staging(filepath)
+
+        def write() -> None:
+            client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            self.deepspeed_engine.save_checkpoint(
+                str(staging), client_state=client_state, tag="checkpoint",
+                exclude_frozen_parameters=self.exclude_frozen_parameters,
+            )
+
+        def commit() -> None:
+            if self.is_global_zero:
+                (staging / RESOLVED_CONFIG_FILENAME).write_text(describe_config(self.config))
+                atomic_dir.commit(filepath, manifest={
+                    "writer": "lightspeed",
+                    "world_size": self.world_size,
+                    "zero_stage": self.stage,
+                    "tag": "checkpoint",
+                    "global_step": checkpoint.get("global_step"),
+                    "epoch": checkpoint.get("epoch"),
+                })
+
+        for phase in (prepare, write, commit):
+            self._run_on_all_ranks(phase, f"Saving checkpoint {filepath!r}")
+
+    def _run_on_all_ranks(self, phase: Any, what: str) -> None:
+        """Run ``phase`` on every rank, then agree: if it failed anywhere, every rank raises (no rank is left
+        waiting in a collective for one that died of a full disk or a permission error)."""
+        error: Optional[BaseException] = None
+        try:
+            phase()
+        except Exception as err:  # noqa: BLE001 - re-raised below on this rank, reported on the others
+            error = err
+        if not self.reduce_boolean_decision(error is None, all=True):
+            if error is not None:
+                raise error
+            raise RuntimeError(
+                f"{what} failed on another rank (its own error says why); the previous checkpoint is untouched."
+            )
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
+        if not path.exists():
+            atomic_dir.require_complete(path)  # explains a save interrupted mid-swap, or that nothing is there
         if path.is_dir() and not atomic_dir.is_complete(path):
             if atomic_dir.staging_path(path).exists() or not (path / "latest").is_file():
                 atomic_dir.require_complete(path)  # raises with the explanation

@@ -30,12 +30,12 @@ from lightspeed.core.memory import (
     count_parameters,
     explain_no_fit,
     format_table,
-    host_memory_available,
-    nvme_free,
+    measure_budgets,
     parse_size,
     plan,
 )
-from lightspeed.strategies.zero import NVME_PATH_ENV, ZeroStrategy
+from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV, resolve_nvme_path
+from lightspeed.strategies.zero import ZeroStrategy
 
 log = logging.getLogger(__name__)
 
@@ -112,21 +112,8 @@ class ZeroAutoStrategy(ZeroStrategy):
         return module is not None and any(True for _ in module.parameters())
 
     def _local_budgets(self) -> Budgets:
-        """This rank's view of the budgets: overrides first, else measured."""
-        on_cuda = self.root_device.type == "cuda"
-        if self.device_memory is not None:
-            device = self.device_memory
-        elif on_cuda:
-            device = int(torch.cuda.mem_get_info(self.root_device)[0])
-        else:
-            device = None  # CPU processes: they share host memory
-        host = self.host_memory if self.host_memory is not None else host_memory_available()
-        unusable = None
-        if self.nvme_path:
-            from lightspeed.core.deepspeed_runtime import async_io_problem
-
-            unusable = async_io_problem()
-        return Budgets(device, host, nvme_free(self.nvme_path), unusable)
+        """This rank's view of the budgets: overrides first, else measured on its own device and host."""
+        return measure_budgets(self.device_memory, self.host_memory, self.nvme_path, device=self.root_device)
 
     def _agreed_budgets(self) -> Budgets:
         """The smallest budgets over all ranks, so every rank makes the same choice."""
@@ -176,16 +163,12 @@ class ZeroAutoStrategy(ZeroStrategy):
         uses_nvme = "nvme" in (option.offload_optimizer, option.offload_parameters)
         preset = zero_preset(option.stage, offload_optimizer=option.offload_optimizer,
                              offload_parameters=option.offload_parameters,
-                             nvme_path=self.nvme_path if uses_nvme else None, **args)
+                             nvme_path=resolve_nvme_path(self.nvme_path) if uses_nvme else None, **args)
         merged = merge_configs(preset, self._user_config)
         validate_keys(merged)
         self.config = merged
         self.stage = option.stage
         self.uses_nvme = uses_nvme
-        if uses_nvme:
-            from lightspeed.strategies.zero import _checked_nvme_path
-
-            _checked_nvme_path(self.nvme_path)
 
     # ------------------------------------------------------------------ hooks
     def _format_config(self) -> None:

@@ -1,12 +1,13 @@
 """Models for the zero_auto tests: a deeper regression MLP whose largest layer is small next to the whole model
-(so ZeRO-3 can be the option that fits), optionally built in ``configure_model``, and its single-process reference."""
+(so ZeRO-3 can be the option that fits), optionally built in ``configure_model``. Its single-process reference is
+``_support.models.reference_training(..., net=make_deep_net())``."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from _support.models import IN_FEATURES, OUT_FEATURES, RegressionModule, make_regression_data, rank_batches
+from _support.models import IN_FEATURES, OUT_FEATURES, RegressionModule
 
 WIDTH, DEPTH = 32, 4
 
@@ -35,22 +36,3 @@ class DeepRegressionModule(RegressionModule):
     def configure_model(self) -> None:
         if self.net is None:
             self.net = make_deep_net(self.seed)
-
-
-def reference_training(net: nn.Module, steps: int, world_size: int, batch: int, lr: float = 1e-2,
-                       weight_decay: float = 0.01, n: int = 64) -> dict[str, torch.Tensor]:
-    """Plain single-process AdamW over the global batches (the union of the ranks' micro-batches)."""
-    data = make_regression_data(n)
-    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
-    done, epoch = 0, 0
-    while done < steps:
-        for step in rank_batches(n, world_size, batch, epoch):
-            if done == steps:
-                break
-            index = torch.tensor([i for rank_indices in step for i in rank_indices])
-            opt.zero_grad()
-            nn.functional.mse_loss(net(data.tensors[0][index]), data.tensors[1][index]).backward()
-            opt.step()
-            done += 1
-        epoch += 1
-    return {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}

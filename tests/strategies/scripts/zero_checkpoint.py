@@ -4,6 +4,7 @@ modes:
   resume OUT NAME  - uninterrupted 2-epoch run vs. 1 epoch + resume from `ckpt_path="last"`; then validate / test /
                      predict after fit on the same engine. Writes weights and facts to OUT (rank 0).
   crash OUT NAME   - save a complete checkpoint, then die on rank 1 in the middle of saving the next one.
+  save_error OUT NAME - save a complete checkpoint, then fail on rank 0 while preparing the next one.
 """
 
 from __future__ import annotations
@@ -90,7 +91,29 @@ def crash(out: Path, name: str) -> None:
     run.save_checkpoint(target)  # never returns normally: torchrun tears the job down
 
 
+def save_error(out: Path, name: str) -> None:
+    """Rank 0 cannot create the staging directory (permissions): every rank must raise instead of waiting for it."""
+    from lightspeed.core import atomic_dir
+
+    L.seed_everything(0, verbose=False)
+    target = out / "model.ckpt"
+    run = trainer(name, out, max_epochs=1, enable_checkpointing=False)
+    run.fit(RegressionModule(), loader())
+    run.save_checkpoint(target)
+
+    def failing_prepare(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    atomic_dir.prepare_staging = failing_prepare  # only rank 0 prepares
+    try:
+        run.save_checkpoint(target)
+        outcome = "saved"
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank saw
+        outcome = f"{type(err).__name__}: {err}"
+    (out / f"rank{run.global_rank}.txt").write_text(outcome)
+
+
 if __name__ == "__main__":
     mode, out, name = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     out.mkdir(parents=True, exist_ok=True)
-    {"resume": resume, "crash": crash}[mode](out, name)
+    {"resume": resume, "crash": crash, "save_error": save_error}[mode](out, name)

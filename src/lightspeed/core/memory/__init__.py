@@ -19,6 +19,7 @@ from lightspeed.core.memory.measure import (
     counts_from_factory,
     cuda_memory_free,
     host_memory_available,
+    measure_budgets,
     nvme_free,
     resolve_factory,
 )
@@ -38,7 +39,7 @@ from lightspeed.core.memory.sizes import GIB, format_gib, format_short, format_s
 __all__ = [
     "ZERO_OPTIONS", "Accounting", "Cluster", "DeviceMemory", "HostMemory", "ModelCounts", "OptionEstimate",
     "ZeroOption", "estimate_all", "estimate_option", "MemoryPlanError", "count_parameters", "counts_from_factory",
-    "cuda_memory_free", "host_memory_available", "nvme_free", "resolve_factory", "format_table", "plan_to_dict",
+    "cuda_memory_free", "host_memory_available", "measure_budgets", "nvme_free", "resolve_factory", "format_table", "plan_to_dict",
     "DEFAULT_SAFETY_MARGIN", "Budgets", "Plan", "Verdict", "assess", "explain_no_fit", "plan", "suggestions",
     "GIB", "format_gib", "format_short", "format_size", "parse_count", "parse_size",
 ]

@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightspeed.core.deepspeed_config.facts import PRECISIONS
 from lightspeed.core.memory.errors import MemoryPlanError
 
-_PARAM_BYTES = {
-    "32-true": 4, "32": 4,
-    "16-mixed": 2, "16": 2, "bf16-mixed": 2, "bf16": 2, "16-true": 2, "bf16-true": 2,
-}
+_PARAM_BYTES = {precision: 4 if precision == "32-true" else 2 for precision in PRECISIONS}
+"""Bytes of a weight in each precision lightspeed's ZeRO strategies accept (and only those: an estimate for a
+precision the strategy rejects would plan a run that cannot start)."""
 FP32_BYTES = 4
 """fp32 master weights and fp32 gradient partitions: 4 bytes each, whatever the training precision."""
 LOAD_BYTES = 4
@@ -111,7 +111,7 @@ class Accounting:
         if self.precision not in _PARAM_BYTES:
             raise MemoryPlanError(
                 f"Unsupported precision {self.precision!r} for a ZeRO estimate: use one of "
-                f"{', '.join(sorted(_PARAM_BYTES))}."
+                f"{', '.join(PRECISIONS)} (the Trainer precisions lightspeed's ZeRO strategies accept)."
             )
         if self.optimizer_state_bytes < 0:
             raise MemoryPlanError(f"optimizer_state_bytes must be 0 or more, got {self.optimizer_state_bytes}.")

@@ -12,6 +12,7 @@ import torch
 
 from lightspeed.core.memory.accounting import ModelCounts
 from lightspeed.core.memory.errors import MemoryPlanError
+from lightspeed.core.memory.selection import Budgets
 
 
 def count_parameters(model: torch.nn.Module) -> ModelCounts:
@@ -77,11 +78,14 @@ def host_memory_available() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def cuda_memory_free() -> int | None:
-    """Free bytes on the CUDA device with the least free memory (the tightest one decides), ``None`` without CUDA."""
+def cuda_memory_free(device: torch.device | None = None) -> int | None:
+    """Free bytes on the CUDA ``device``, or on the visible CUDA device with the least free memory when ``device``
+    is None (the tightest one decides); ``None`` without CUDA."""
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         return None
-    return min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+    if device is not None:
+        return int(torch.cuda.mem_get_info(device)[0])
+    return min(int(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count()))
 
 
 def nvme_free(path: str | os.PathLike | None) -> int | None:
@@ -95,3 +99,28 @@ def nvme_free(path: str | os.PathLike | None) -> int | None:
             break
         probe = parent
     return int(shutil.disk_usage(probe).free)
+
+
+def measure_budgets(
+    device_memory: int | None = None,
+    host_memory: int | None = None,
+    nvme_path: str | os.PathLike | None = None,
+    device: torch.device | None = None,
+) -> Budgets:
+    """The budgets to plan with: each override (bytes) as given, everything else measured on this machine now.
+
+    ``device`` is the accelerator the job trains on: a CUDA device measures that device's free memory, a CPU
+    device gives no device budget (CPU processes share host memory), and ``None`` measures the tightest visible
+    GPU (no device budget without one). With an ``nvme_path`` the budget also says whether NVMe offload can run
+    here at all (DeepSpeed's async_io op).
+    """
+    if device_memory is None and (device is None or device.type == "cuda"):
+        device_memory = cuda_memory_free(device)
+    if host_memory is None:
+        host_memory = host_memory_available()
+    unusable = None
+    if nvme_path:
+        from lightspeed.core.deepspeed_runtime import async_io_problem
+
+        unusable = async_io_problem()
+    return Budgets(device_memory, host_memory, nvme_free(nvme_path), unusable)

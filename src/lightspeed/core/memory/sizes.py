@@ -1,39 +1,18 @@
-"""Parse and format byte sizes, so budgets can be given as ``80GB``, ``24GiB`` or a plain number of GiB."""
+"""Byte sizes for the memory planner: reading budgets (through lightspeed's one size parser,
+:func:`lightspeed.core.sizes.parse_size`) and formatting estimates for tables and messages."""
 
 from __future__ import annotations
 
-import re
-
 from lightspeed.core.memory.errors import MemoryPlanError
+from lightspeed.core.sizes import parse_size as _parse_size
 
 GIB = 2**30
 
-_UNITS = {
-    "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    # single letters follow DeepSpeed's and nvidia-smi's habit of meaning binary units
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
-
-def parse_size(text: str | int, what: str = "size") -> int:
-    """Bytes from ``"80GB"`` (10^9), ``"80GiB"``/``"80G"`` (2^30), ``"512MiB"``, a bare number string meaning GiB
-    (``"16"``, the command line's shorthand), or an ``int`` that already is a number of bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value, unit = float(text), "b"
-    else:
-        match = _SIZE.match(str(text))
-        if match is None:
-            raise MemoryPlanError(f"Cannot read {what} {text!r}: write a number with an optional unit, e.g. 80GB, 24GiB or 16 (GiB).")
-        value, unit = float(match.group(1)), (match.group(2).lower() or "gib")
-        if unit not in _UNITS:
-            raise MemoryPlanError(f"Unknown unit {match.group(2)!r} in {what} {text!r}: use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.")
-    size = int(value * _UNITS[unit])
-    if size <= 0:
-        raise MemoryPlanError(f"{what} must be positive, got {text!r}.")
-    return size
+def parse_size(value: int | float | str, what: str = "size") -> int:
+    """Bytes from ``"80GB"`` (10^9), ``"80GiB"``/``"80G"`` (2^30) or an ``int`` number of bytes; text without a
+    unit (``"16"``) is refused. Errors are :class:`MemoryPlanError` naming ``what`` (e.g. ``"--gpu-memory"``)."""
+    return _parse_size(value, what, MemoryPlanError)
 
 
 def parse_count(text: str | int | float, what: str) -> int:
