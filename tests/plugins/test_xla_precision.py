@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,9 @@ from lightspeed.plugins.precision.xla import (
     cast_floating_tensors,
     upcast_metric_updates,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies" / "scripts"))
+import xla_model  # noqa: E402  (the shared model module of the XLA tests; holds the expected dtypes)
 
 pytestmark = pytest.mark.xla
 
@@ -31,21 +36,12 @@ class Mixed(nn.Module):
         self.metric = torchmetrics.MeanSquaredError()
 
 
-# mode -> dtypes of (float32 parameters, float64 parameter, float64 buffer)
-EXPECTED = {
-    "32-true": (torch.float32, torch.float64, torch.float64),
-    "bf16-true": (torch.bfloat16, torch.bfloat16, torch.bfloat16),
-    "bf16-downcast": (torch.bfloat16, torch.float32, torch.float32),
-    "bf16-mixed": (torch.float32, torch.float64, torch.float64),
-}
-
-
 @pytest.mark.parametrize("mode", XLA_PRECISION_MODES)
 def test_convert_module_casts_parameters_and_buffers_per_mode(mode: str) -> None:
     module = Mixed()
     values = {k: v.detach().clone() for k, v in module.state_dict().items()}
     assert XLAPrecision(mode).convert_module(module) is module
-    f32, p64, b64 = EXPECTED[mode]
+    f32, p64, b64 = xla_model.EXPECTED_DTYPES[mode]
     assert module.linear.weight.dtype == module.linear.bias.dtype == f32
     assert module.w64.dtype == p64
     assert isinstance(module.w64, nn.Parameter)
@@ -66,7 +62,7 @@ def test_convert_input_casts_floating_batch_tensors_per_mode(mode: str) -> None:
         "name": "not a tensor",
     }
     out = XLAPrecision(mode).convert_input(batch)
-    f32, f64, _ = EXPECTED[mode] if mode != "bf16-mixed" else (torch.float32, torch.float64, None)
+    f32, f64, _ = xla_model.EXPECTED_DTYPES[mode] if mode != "bf16-mixed" else (torch.float32, torch.float64, None)
     assert out["x"].dtype == f32
     assert out["pair"][0].dtype == f64
     assert out["pair"][1].dtype == torch.int64

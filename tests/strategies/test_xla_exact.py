@@ -42,6 +42,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "parent": json.loads((out / "fork32_parent.json").read_text()),
         "state": torch.load(out / "fork32_state.pt"),
         "notebook": json.loads((out / "notebook.json").read_text()),
+        "one_of_two": {
+            "parent": json.loads((out / "one_of_two_parent.json").read_text()),
+            **{fit: json.loads((out / f"one_of_two_{fit}_worker.json").read_text()) for fit in ("first", "second")},
+        },
     }
 
 
@@ -74,3 +78,20 @@ def test_notebook_example_trains_the_model_object_built_outside(results: dict) -
     assert notebook["same_object"] and notebook["changed"]
     assert notebook["dtypes"] == ["torch.bfloat16"]  # the parent's model has the dtypes it was trained in
     assert notebook["accuracy_after"] > notebook["accuracy_before"]
+
+
+def test_one_device_of_several_also_trains_in_a_forked_worker(results: dict) -> None:
+    """On a host with two devices, ``devices=1`` is the case where ``xmp.spawn(nprocs=1)`` runs in the calling
+    process; the launcher forks a worker for it, so the parent never starts the runtime and can fit again."""
+    run = results["one_of_two"]
+    parent = run["parent"]
+    for fit in ("first", "second"):
+        assert run[fit]["pid"] != parent["pid"], fit
+        assert run[fit]["world_size"] == 1
+        assert parent[f"runtime_started_after_{fit}"] is False, fit
+        assert run[fit]["weight_ptr"] == parent[f"{fit}_weight_ptr"], fit  # the unpicklable model came by fork
+    ref_state, ref_losses = xla_model.reference_exact_training(EPOCHS)
+    for fit in ("first", "second"):
+        assert run[fit]["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), fit
+        for name, value in parent[f"{fit}_state"].items():
+            torch.testing.assert_close(torch.tensor(value, dtype=ref_state[name].dtype), ref_state[name], rtol=1e-5, atol=1e-6, msg=name)

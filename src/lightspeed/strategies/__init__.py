@@ -23,4 +23,12 @@ def register_strategies() -> None:
         importlib.import_module(module_name).register(StrategyRegistry)
 
 
-__getattr__ = lazy_getattr(__name__, {"ZeroStrategy": "lightspeed.strategies.zero"})
+_LAZY = {
+    "ZeroStrategy": "lightspeed.strategies.zero",
+    "ZeroAutoStrategy": "lightspeed.strategies.zero_auto",
+    "DDPExactStrategy": "lightspeed.strategies.ddp_exact",
+    "XLAExactStrategy": "lightspeed.strategies.xla",
+    "SingleDeviceXLAExactStrategy": "lightspeed.strategies.xla",
+}
+__all__ = ["register_strategies", *_LAZY]
+__getattr__ = lazy_getattr(__name__, _LAZY)

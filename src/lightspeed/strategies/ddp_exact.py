@@ -25,12 +25,11 @@ class DDPExactStrategy(ExactAccumulationMixin, DDPStrategy):
 
 
 def register(registry: Any) -> None:
-    """Add ``ddp_exact`` to Lightning's strategy registry (idempotent)."""
-    if DDPExactStrategy.strategy_name in registry:
-        return
+    """Add ``ddp_exact`` to Lightning's strategy registry (re-registering replaces the entry)."""
     registry.register(
         DDPExactStrategy.strategy_name,
         DDPExactStrategy,
         description="DDP with exact gradient accumulation (short last window, item weighting, no_sync)",
+        override=True,
         start_method="popen",
     )

@@ -10,7 +10,9 @@ included.
 Notebook-friendly launching: torch_xla's ``xmp.spawn`` hands its arguments to the workers through a process pool,
 which pickles them, so Lightning's XLA launcher copies the Trainer and the model into every worker. The launcher
 here keeps them in a module-level table that the workers inherit through ``fork`` and passes only a key, so a model
-built once outside the training function is shared copy-on-write with the workers instead of being copied.
+built once outside the training function is shared copy-on-write with the workers instead of being copied. Every
+launch forks, one device of several included (there ``xmp.spawn(nprocs=1)`` would run in the launching process and
+start the XLA runtime in it), so the launching process can launch again.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ def _run_from_launch_table(process_idx: int, key: int, return_queue: Union[mp.Si
     launcher._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue)
 
 
+def _spawn_one_device(process_idx: int, key: int, return_queue: Union[mp.SimpleQueue, queue.Queue]) -> None:
+    """In a forked worker: ``xmp.spawn(nprocs=1)`` sets up one device and calls the function in this (the worker's)
+    process."""
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    xmp.spawn(_run_from_launch_table, args=(key, return_queue), nprocs=1)
+
+
 class _XLAForkLauncher(_XLALauncher):
     """Lightning's XLA launcher, except that the Trainer, the model and the function reach the workers by ``fork``
     inheritance instead of pickling; and the parent's model gets the trained dtypes back, not only the values."""
@@ -56,19 +66,20 @@ class _XLAForkLauncher(_XLALauncher):
         return_queue = mp.Manager().Queue()
         key = next(_LAUNCH_KEYS)
         _LAUNCH_TABLE[key] = (self, trainer, function, args, kwargs)
-        # xmp.spawn runs either in this process (nprocs=1) or on every device (nprocs=None); forking workers for
-        # all devices keeps this process free of an XLA runtime, so it can launch again later (notebooks).
-        spawn_kwargs = {}
-        if self._strategy.num_processes != pjrt_device_count():
-            spawn_kwargs["nprocs"] = 1
         try:
-            process_context = xmp.spawn(
-                _run_from_launch_table,
-                args=(key, return_queue),
-                start_method=self._start_method,
-                **spawn_kwargs,
-            )
-            if process_context is not None:  # older torch_xla returns a context with join=False
+            if self._strategy.num_processes == pjrt_device_count():
+                # every device: xmp.spawn forks the workers itself
+                process_context = xmp.spawn(
+                    _run_from_launch_table, args=(key, return_queue), start_method=self._start_method
+                )
+            else:
+                # one device of several: xmp.spawn(nprocs=1) would run the function in this process and start the
+                # XLA runtime here, after which this process could never launch again (notebooks); fork one worker
+                # that makes that call instead
+                process_context = mp.start_processes(
+                    _spawn_one_device, args=(key, return_queue), nprocs=1, join=False, start_method=self._start_method
+                )
+            if process_context is not None:  # xmp.spawn joins its pool itself and returns None (torch_xla >= 2.1)
                 self.procs = process_context.processes
                 while not process_context.join():
                     pass
@@ -81,6 +92,34 @@ class _XLAForkLauncher(_XLALauncher):
         self._already_fit |= trainer.state.fn == TrainerFn.FITTING
         self._recover_results_in_main_process(worker_output, trainer)
         return worker_output.trainer_results
+
+    def _wrapping_function(
+        self,
+        process_idx: int,
+        trainer: Optional[Any],
+        function: Callable,
+        args: Any,
+        kwargs: Any,
+        return_queue: Union[mp.SimpleQueue, queue.Queue],
+        global_states: Optional[Any] = None,
+    ) -> None:
+        """Lightning's, except that a one-device run trains the Trainer and the model themselves.
+
+        Lightning deep-copies them whenever this process sees several devices, because each device then gets its
+        own thread; with one device of several only one thread runs, and the copy would defeat the fork sharing
+        (and fail for a model that cannot be copied).
+        """
+        if self._strategy.num_processes > 1:
+            super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
+            return
+        from lightning.fabric.strategies.launchers.xla import _rank_teardown
+        from lightning.fabric.utilities import move_data_to_device
+
+        results = function(*args, **kwargs)
+        if trainer is not None:
+            results = self._collect_rank_zero_results(trainer, results)
+        return_queue.put(move_data_to_device(results, "cpu"))
+        _rank_teardown(0)
 
     def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
         if worker_output.weights_path is not None:
@@ -111,29 +150,49 @@ def _default_precision() -> _LightningXLAPrecision:
     return XLAPrecision("32-true")
 
 
-class XLAExactStrategy(ExactAccumulationMixin, XLAStrategy):
-    """Multi-device XLA (``xmp.spawn``) with exact gradient accumulation and lightspeed's ``XLAPrecision``.
+class _LightspeedXLAStrategyMixin:
+    """What both strategies add to Lightning's: lightspeed's ``XLAPrecision`` as the default precision plugin, the
+    bfloat16 check once the runtime runs, and registration under ``strategy_name``."""
 
-    Also runs on a single device (one forked worker), which Lightning's ``XLAStrategy`` refuses.
-    Accepts ``XLAStrategy``'s arguments plus ``sync_with_dataloader`` (see the accumulation mixin).
-    """
-
-    strategy_name = "xla_exact"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _require_torch_xla()
-        super().__init__(*args, **kwargs)
+    strategy_name: str
+    strategy_description: str
+    _precision_plugin: Optional[_LightningXLAPrecision]
 
     @property
     def precision_plugin(self) -> _LightningXLAPrecision:
         plugin = self._precision_plugin
         if plugin is None:
             plugin = self._precision_plugin = _default_precision()
-        return plugin  # type: ignore[return-value]
+        return plugin
 
     @precision_plugin.setter
     def precision_plugin(self, precision_plugin: Any) -> None:
-        XLAStrategy.precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]
+        # Lightning's setter (it rejects anything but an XLAPrecision)
+        super(_LightspeedXLAStrategyMixin, type(self)).precision_plugin.fset(self, precision_plugin)  # type: ignore[misc]
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        _check_bf16_in_worker(self.precision_plugin, getattr(self.accelerator, "device_type", None))  # type: ignore[attr-defined]
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description, override=True)
+
+
+class XLAExactStrategy(_LightspeedXLAStrategyMixin, ExactAccumulationMixin, XLAStrategy):
+    """Multi-device XLA (``xmp.spawn``) with exact gradient accumulation and lightspeed's ``XLAPrecision``.
+
+    Also runs on one device of a host's several, which Lightning's ``XLAStrategy`` refuses; like every launch it
+    trains in a forked worker, so the launching process never starts the XLA runtime and can launch again.
+    Accepts ``XLAStrategy``'s arguments plus ``sync_with_dataloader`` (see the accumulation mixin).
+    """
+
+    strategy_name = "xla_exact"
+    strategy_description = "XLA on all PJRT devices with exact gradient accumulation and casting XLAPrecision"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _require_torch_xla()
+        super().__init__(*args, **kwargs)
 
     def _configure_launcher(self) -> None:
         self._launcher = _XLAForkLauncher(self)
@@ -143,60 +202,24 @@ class XLAExactStrategy(ExactAccumulationMixin, XLAStrategy):
 
         rank_zero_only.rank = self.global_rank
 
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        _check_bf16_in_worker(self.precision_plugin, getattr(self.accelerator, "device_type", None))
-
     def _exact_all_reduce_sum(self, tensor: Tensor) -> Tensor:
         import torch_xla.core.xla_model as xm
 
         return xm.all_reduce(xm.REDUCE_SUM, tensor)
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="XLA on all PJRT devices with exact gradient accumulation and casting XLAPrecision",
-            override=True,
-        )
 
-
-class SingleDeviceXLAExactStrategy(ExactAccumulationMixin, SingleDeviceXLAStrategy):
+class SingleDeviceXLAExactStrategy(_LightspeedXLAStrategyMixin, ExactAccumulationMixin, SingleDeviceXLAStrategy):
     """One XLA device in this process, with exact gradient accumulation and lightspeed's ``XLAPrecision``.
 
     What ``accelerator="xla", devices=1`` picks; also ``strategy="single_xla_exact"``.
     """
 
     strategy_name = "single_xla_exact"
+    strategy_description = "One XLA device with exact gradient accumulation and casting XLAPrecision"
 
     def __init__(self, device: Any = 0, *args: Any, **kwargs: Any) -> None:
         _require_torch_xla()
         super().__init__(device, *args, **kwargs)
-
-    @property
-    def precision_plugin(self) -> _LightningXLAPrecision:
-        plugin = self._precision_plugin
-        if plugin is None:
-            plugin = self._precision_plugin = _default_precision()
-        return plugin  # type: ignore[return-value]
-
-    @precision_plugin.setter
-    def precision_plugin(self, precision_plugin: Any) -> None:
-        SingleDeviceXLAStrategy.precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        _check_bf16_in_worker(self.precision_plugin, getattr(self.accelerator, "device_type", None))
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="One XLA device with exact gradient accumulation and casting XLAPrecision",
-            override=True,
-        )
 
 
 def register(registry: Any) -> None:

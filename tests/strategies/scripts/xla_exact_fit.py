@@ -7,6 +7,9 @@ Case ``fork32``: 32-true, accumulate_grad_batches=3 over 10 batches, a model tha
 records its pid, the address of the first weight's CPU storage before moving to the device, its per-micro-batch
 losses and the batch index of every gradient all-reduce (``xm.reduce_gradients``).
 Case ``notebook``: the example ``examples/xla_notebook.py`` (model built outside ``train``) in bf16-true.
+Case ``one_of_two``: ``xla_exact`` on one device of a host with two (``CPU_NUM_DEVICES=2``), the path where
+``xmp.spawn(nprocs=1)`` would run in the calling process; fitted twice (two Trainers) to show the parent can launch
+again. Runs last: it changes ``CPU_NUM_DEVICES`` in this process.
 """
 
 from __future__ import annotations
@@ -114,8 +117,27 @@ def notebook(out: Path) -> None:
     )
 
 
+def one_of_two(out: Path) -> None:
+    os.environ["CPU_NUM_DEVICES"] = "2"
+    parent = {"pid": os.getpid()}
+    for fit in ("first", "second"):
+        model = NoPickleModule()
+        parent[f"{fit}_weight_ptr"] = model.net.hidden.weight.data_ptr()
+        trainer = L.Trainer(
+            strategy="xla_exact",
+            callbacks=[WriteWorkerResults(out / f"one_of_two_{fit}_worker.json")],
+            use_distributed_sampler=False,
+            **xla_model.trainer_kwargs(str(out / f"one_of_two_{fit}"), devices=1),
+        )
+        trainer.fit(model, xla_model.make_loader())
+        parent[f"{fit}_state"] = {k: v.tolist() for k, v in model.net.state_dict().items()}
+        parent[f"runtime_started_after_{fit}"] = bool(__import__("torch_xla")._XLAC._xla_runtime_is_initialized())
+    (out / "one_of_two_parent.json").write_text(json.dumps(parent))
+
+
 if __name__ == "__main__":
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
     fork32(out_dir)
     notebook(out_dir)
+    one_of_two(out_dir)

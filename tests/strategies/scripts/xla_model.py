@@ -18,6 +18,15 @@ IN_FEATURES, HIDDEN, OUT_FEATURES = 6, 16, 3
 NUM_SAMPLES, BATCH_SIZE, ACCUMULATE = 40, 4, 3  # 10 batches per epoch: windows of 3, 3, 3 and a short 1
 LR, MOMENTUM = 0.05, 0.9
 
+# precision mode -> dtypes it leaves (float32 layers, a float64 parameter, a float64 buffer) in; XLAPrecision's
+# casting rules as the tests expect them (test_xla_precision.py on plain tensors, test_xla_training.py after a fit)
+EXPECTED_DTYPES: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype]] = {
+    "32-true": (torch.float32, torch.float64, torch.float64),
+    "bf16-true": (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    "bf16-downcast": (torch.bfloat16, torch.float32, torch.float32),
+    "bf16-mixed": (torch.float32, torch.float64, torch.float64),
+}
+
 
 def make_dataset(seed: int = 7) -> TensorDataset:
     gen = torch.Generator().manual_seed(seed)

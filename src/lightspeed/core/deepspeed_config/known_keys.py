@@ -38,10 +38,14 @@ class Section:
 
 
 def _module(path: str) -> types.ModuleType | None:
+    """The DeepSpeed module at ``path``, or None when this DeepSpeed version has no such module. Any other import
+    failure propagates: an empty key set would report every key of the user's config as unknown."""
     try:
         return importlib.import_module(path)
-    except ImportError:
-        return None
+    except ModuleNotFoundError as err:
+        if err.name is not None and path.startswith(err.name) and err.name.startswith("deepspeed."):
+            return None
+        raise
 
 
 def _consts(module_path: str, *names: str) -> set[str]:

@@ -27,6 +27,7 @@ from lightning.pytorch.plugins.precision.xla import XLAPrecision as _LightningXL
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
+from torchmetrics import Metric
 
 XLA_PRECISION_MODES = ("bf16-true", "bf16-downcast", "bf16-mixed", "32-true")
 
@@ -65,14 +66,6 @@ def cast_floating_tensors(data: Any, cast_map: Mapping[torch.dtype, torch.dtype]
     return apply_to_collection(data, Tensor, _cast)
 
 
-def _is_metric(module: Module) -> bool:
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # torchmetrics is optional
-        return False
-    return isinstance(module, Metric)
-
-
 def cast_module_tensors(module: Module, cast_map: Mapping[torch.dtype, torch.dtype]) -> Module:
     """Cast parameters and buffers of ``module`` in place according to ``cast_map``.
 
@@ -80,7 +73,7 @@ def cast_module_tensors(module: Module, cast_map: Mapping[torch.dtype, torch.dty
     """
     if not cast_map:
         return module
-    metric_ids = {id(m) for m in module.modules() if _is_metric(m)}
+    metric_ids = {id(m) for m in module.modules() if isinstance(m, Metric)}
     skipped: set[int] = set()
     for sub in module.modules():
         if id(sub) in metric_ids or id(sub) in skipped:
@@ -116,7 +109,7 @@ def upcast_metric_updates(module: Module) -> int:
     """
     wrapped = 0
     for sub in module.modules():
-        if _is_metric(sub) and not getattr(sub.update, "_lightspeed_upcast", False):
+        if isinstance(sub, Metric) and not getattr(sub.update, "_lightspeed_upcast", False):
             sub.update = _upcast_metric_inputs(sub.update)  # type: ignore[method-assign]
             wrapped += 1
     return wrapped
