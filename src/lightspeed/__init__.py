@@ -22,6 +22,7 @@ _LAZY_ATTRIBUTES = {
     "gather_for_metrics": "lightspeed.core.gather",
     "pad_across_processes": "lightspeed.core.gather",
     "gather_object": "lightspeed.core.gather",
+    "GatherError": "lightspeed.core.gather_sync",
 }
 _LAZY_SUBMODULES = ("callbacks", "core", "export", "plugins", "strategies", "cli")
 

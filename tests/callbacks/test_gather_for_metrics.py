@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -15,7 +16,9 @@ from torch.utils.data import DataLoader, SubsetRandomSampler
 
 import lightspeed
 from lightspeed.callbacks import GatherForMetrics
+from lightspeed.callbacks.gather_for_metrics import StepOutputError
 from lightspeed.core.gather_state import GatherState
+from lightspeed.core.gather_sync import GatherError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "scripts"))
 from gather_data import NUM_CLASSES, MapData, model, reference  # noqa: E402
@@ -41,10 +44,27 @@ class Module(L.LightningModule):
     test_step = validation_step
 
 
-def trainer(callback: GatherForMetrics) -> L.Trainer:
+class RowCount(torchmetrics.Metric):
+    """Counts the rows it is updated with; every update call (on any copy) is recorded in ``RowCount.calls``."""
+
+    calls: list = []  # class-level, so deep copies append to the same list: (id of the object, rows)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("rows", torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        RowCount.calls.append((id(self), len(preds)))
+        self.rows += len(preds)
+
+    def compute(self) -> torch.Tensor:
+        return self.rows
+
+
+def trainer(callback: GatherForMetrics, accelerator: str = "cpu", **kwargs) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=1, callbacks=[callback], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
+        accelerator=accelerator, devices=1, callbacks=[callback], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, **kwargs,
     )
 
 
@@ -83,13 +103,53 @@ def test_test_stage_logs_with_test_prefix_and_resets_each_epoch():
         assert metrics["test/acc"] == pytest.approx(expected, abs=1e-7)
 
 
+def test_metric_collection_is_copied_and_updated_per_batch_like_a_metric():
+    """The user's collection is never updated (no state across runs); a copy of it sees every batch."""
+    collection = torchmetrics.MetricCollection({"rows": RowCount()})
+    callback = GatherForMetrics({"c": collection})
+    tr = trainer(callback)
+    RowCount.calls.clear()
+    for _ in range(2):
+        metrics = tr.validate(Module(), dataloaders=DataLoader(MapData(11), batch_size=4), verbose=False)[0]
+        assert metrics["val/c/rows"] == 11
+    user_object = id(collection["rows"])
+    assert collection["rows"].rows.item() == 0
+    assert [rows for _, rows in RowCount.calls] == [4, 4, 3] * 2, "one update per batch"
+    assert all(owner != user_object for owner, _ in RowCount.calls)
+
+
+def test_each_trainer_run_starts_fresh():
+    """A new run drops the previous run's results for the stages it evaluates and re-creates the metric copies."""
+    callback = GatherForMetrics({"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")})
+    trainer(callback).validate(Module(), dataloaders=DataLoader(MapData(6), batch_size=4), verbose=False)
+    assert set(callback.results["validate"]) == {"val/acc"}
+    trainer(callback).test(Module(), dataloaders=DataLoader(MapData(6), batch_size=4), verbose=False)
+    assert set(callback.results) == {"validate", "test"}, "a test run keeps the last validation results"
+    # a validation run that evaluates nothing must not report the previous run's values
+    trainer(callback, limit_val_batches=0).validate(Module(), dataloaders=DataLoader(MapData(6), batch_size=4), verbose=False)
+    assert set(callback.results) == {"test"}
+    with pytest.raises(KeyError, match="has not seen a validate batch from dataloader 0"):
+        callback.state_for("validate", 0)
+
+
+def test_the_sync_dist_hint_filter_does_not_outlive_the_run():
+    before = list(warnings.filters)
+    callback = GatherForMetrics({"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")})
+    trainer(callback).validate(Module(), dataloaders=DataLoader(MapData(6), batch_size=4), verbose=False)
+    assert warnings.filters == before
+
+
 def test_missing_output_key_is_a_clear_error():
     callback = GatherForMetrics({"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES)})
-    with pytest.raises(KeyError, match=r"GatherForMetrics reads 'preds' and 'target' from what validation_step returns, "
+    assert issubclass(StepOutputError, GatherError)
+    with pytest.raises(StepOutputError, match=r"GatherForMetrics reads 'preds' and 'target' from what validation_step returns, "
                                        r"but it returned a dict with keys \['logits', 'y'\] \(missing \['preds', 'target'\]\)"):
         trainer(callback).validate(Module("wrong_keys"), dataloaders=DataLoader(MapData(4), batch_size=2), verbose=False)
-    with pytest.raises(KeyError, match=r"from what test_step returns, but it returned 'NoneType'.*preds_key=\.\.\., target_key=\.\.\."):
+    with pytest.raises(StepOutputError, match=r"from what test_step returns, but it returned 'NoneType'.*preds_key=\.\.\., target_key=\.\.\."):
         trainer(callback).test(Module("none"), dataloaders=DataLoader(MapData(4), batch_size=2), verbose=False)
+    epoch = GatherForMetrics({"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES)}, gather_every="epoch")
+    with pytest.raises(StepOutputError, match=r"returned a dict with keys \['logits', 'y'\]"):
+        trainer(epoch).validate(Module("wrong_keys"), dataloaders=DataLoader(MapData(4), batch_size=2), verbose=False)
 
 
 def test_no_metrics_only_tracks_for_hand_written_gathers():
@@ -103,7 +163,7 @@ def test_no_metrics_only_tracks_for_hand_written_gathers():
 def test_constructor_rejects_non_metrics():
     with pytest.raises(TypeError, match=r"expects a dict of metrics .* got MulticlassAccuracy; wrap it"):
         GatherForMetrics(torchmetrics.classification.MulticlassAccuracy(3))
-    with pytest.raises(TypeError, match=r"metric 'acc' is a int; pass a torchmetrics Metric or a callable"):
+    with pytest.raises(TypeError, match=r"metric 'acc' is a int; pass a torchmetrics Metric or MetricCollection, or a callable"):
         GatherForMetrics({"acc": 3})
     with pytest.raises(ValueError, match=r"GatherForMetrics\(gather_every='step'\): use 'batch' or 'epoch'"):
         GatherForMetrics(gather_every="step")
@@ -134,3 +194,17 @@ def test_single_cuda_device_metrics_equal_reference():
     metrics = tr.validate(Module(), dataloaders=DataLoader(MapData(n), batch_size=4), verbose=False)[0]
     assert metrics["val/acc"] == pytest.approx(float((ref["preds"] == ref["target"]).float().mean()), abs=1e-7)
     assert callback.results["validate"]["val/acc"].device.type == "cuda"
+
+
+@pytest.mark.gpu
+def test_metric_copies_follow_the_module_to_another_device_between_runs():
+    """Validate on CPU, then on a GPU with the same callback: the copies are re-created on the new device."""
+    callback = GatherForMetrics({
+        "acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro"),
+        "c": torchmetrics.MetricCollection({"rows": RowCount()}),
+    })
+    loader = DataLoader(MapData(9), batch_size=4)
+    cpu = trainer(callback).validate(Module(), dataloaders=loader, verbose=False)[0]
+    gpu = trainer(callback, accelerator="gpu").validate(Module(), dataloaders=loader, verbose=False)[0]
+    assert gpu["val/acc"] == pytest.approx(cpu["val/acc"], abs=1e-7) and gpu["val/c/rows"] == 9
+    assert callback.results["validate"]["val/c/rows"].device.type == "cuda"

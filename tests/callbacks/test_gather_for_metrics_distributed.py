@@ -5,6 +5,8 @@ test over five validation dataloaders: map-style that does not divide, shuffled,
 with __len__ (padded round-robin shards) and one without (unpadded, ragged). The logged metrics must equal the
 single-process metrics computed here, exactly; the torchmetrics ``sync_dist`` values logged in the same run must
 show the duplicates; and hand-written gathers inside the LightningModule must return exactly the real samples.
+Lightning's ``sync_dist=True`` hint must be silenced for the callback's values only, and a step that returns the
+wrong keys on one rank must raise the same error on every rank (in either ``gather_every`` mode) instead of hanging.
 """
 
 from __future__ import annotations
@@ -128,3 +130,23 @@ def test_hand_written_gathers_in_the_module_return_exactly_the_real_samples(run,
                 assert got["per_batch_idx"].tolist() == per_batch
                 assert got["epoch_end_idx"].tolist() == epoch_end
             assert got["per_batch_names"] == [f"s{i}" for i in got["per_batch_idx"].tolist()]
+
+
+def test_sync_dist_hint_is_silenced_for_the_callbacks_values_only(run):
+    _, ranks = run
+    hints = ranks[0]["sync_dist_hints"]  # Lightning warns on rank 0 only
+    assert any("self.log('val/own'" in hint for hint in hints), hints
+    ours = ("'val/acc", "'val/f1", "'val/count", "'val_epoch/", "'test/", "'test_epoch/")
+    assert not [hint for hint in hints if any(name in hint for name in ours)]
+
+
+@pytest.mark.parametrize("mode", ["batch", "epoch"])
+def test_wrong_step_output_on_one_rank_raises_the_same_error_on_every_rank(run, mode):
+    _, ranks = run
+    expected = (
+        "StepOutputError: gather_for_metrics: rank 1: GatherForMetrics reads 'logits_argmax' and 'labels' from what "
+        "validation_step returns, but it returned a dict with keys ['labels', 'logits'] (missing ['logits_argmax']). "
+        "Return {'logits_argmax': ..., 'labels': ...} from validation_step, or pass "
+        "GatherForMetrics(..., preds_key=..., target_key=...)."
+    )
+    assert [result["wrong_keys"][mode] for result in ranks] == [expected] * len(ranks)

@@ -37,6 +37,10 @@ EVERY_RANK = {
     "pad_dim_out_of_range": r"pad_across_processes: rank 0: dim=2 is out of range for data with shape \[2, 2\]",
     "uneven_batches": r"not in the same call \(rank 0 is in gather_for_metrics in batch 2 of dataloader 0; rank 1 is "
                       r"in the end of dataloader 0 after 1 batches; rank 2 is in the end of dataloader 0 after 1 batches\)",
+    "uneven_pad": r"GatherError: (pad_across_processes|gather_for_metrics): the ranks are not in the same call \(rank 0 is in pad_across_processes; "
+                  r"rank 1 is in the end of dataloader 0 after 1 batches; rank 2 is in the end of dataloader 0",
+    "fail_gather": r"^NoPredictions: gather_for_metrics: rank 2: validation_step returned None; return the predictions\.$",
+    "fail_gather_everywhere": r"^NoPredictions: gather_for_metrics: ranks 0, 1, 2: no predictions\.$",
     "per_rank_len": r"in batch 2 of dataloader 0 every sample on every rank counts as padding \(len\(dataset\) = 4 over "
                     r"3 ranks\).*return the total instead",
     "differing_len": r"rank 1 counts its evaluation samples differently than rank 0 \(rank 0 has 'accounting: strided, "

@@ -7,6 +7,7 @@ from lightspeed._lazy import lazy_getattr
 _LAZY = {
     "GatherForMetrics": "lightspeed.callbacks.gather_for_metrics",
     "ZeroExport": "lightspeed.callbacks.zero_export",
+    "StepOutputError": "lightspeed.callbacks.gather_for_metrics",
 }
 __all__ = list(_LAZY)
 __getattr__ = lazy_getattr(__name__, _LAZY)

@@ -9,11 +9,16 @@ With metrics, it also reads ``outputs[preds_key]`` and ``outputs[target_key]`` f
 gathers them (de-duplicated) once per batch, updates its own copies of the metrics with the global data, and at
 epoch end logs ``val/<name>`` / ``test/<name>`` (plus ``/dataloader_idx_<i>`` when there are several dataloaders)
 with ``sync_dist=False``: every rank already holds the global value. torchmetrics' own cross-rank sync is turned
-off on these copies, since it would count every sample ``world_size`` times.
+off on these copies, since it would count every sample ``world_size`` times. Lightning's hint to log such values
+with ``sync_dist=True`` is silenced for exactly these names, for the duration of the Trainer run.
 
-A metric is either a torchmetrics ``Metric`` (or ``MetricCollection``; updated per batch) or a plain callable
-``fn(preds, target) -> value`` (called once per epoch on everything gathered). Under a single device the gathers
-are no-ops and the callback simply computes the metrics.
+A metric is either a torchmetrics ``Metric`` or ``MetricCollection`` (copied per dataloader onto the module's device
+at the start of every Trainer run, so the object passed in is never updated, and updated per batch) or a plain
+callable ``fn(preds, target) -> value`` (called once per epoch on everything gathered). Under a single device the
+gathers are no-ops and the callback simply computes the metrics.
+
+If a step's output lacks ``preds_key`` / ``target_key`` on some rank, every rank raises the same
+:class:`StepOutputError` (a :class:`~lightspeed.core.gather_sync.GatherError`) instead of the others waiting for it.
 """
 
 from __future__ import annotations
@@ -21,19 +26,27 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
-from torchmetrics import Metric
+from torchmetrics import Metric, MetricCollection
 
-from lightspeed.core.gather import end_of_dataloader, gather_for_metrics
+from lightspeed.core.gather import end_of_dataloader, fail_gather, gather_for_metrics
 from lightspeed.core.gather_state import GatherState, current_state, infer_batch_size, set_current_state
+from lightspeed.core.gather_sync import GatherError, is_distributed
 
-MetricLike = Metric | Callable[[Any, Any], Any]
-_STAGES = {"validate": "val", "test": "test"}
+MetricLike = Metric | MetricCollection | Callable[[Any, Any], Any]
+#: torchmetrics objects: deep-copied, moved to the module's device, updated per batch, computed and reset per epoch
+_STATEFUL = (Metric, MetricCollection)
+#: evaluation stages each Trainer entry point runs
+_RUN_STAGES = {"fit": ("validate",), "validate": ("validate",), "test": ("test",)}
+
+
+class StepOutputError(GatherError):
+    """``validation_step`` / ``test_step`` did not return the predictions and targets GatherForMetrics reads."""
 
 
 class GatherForMetrics(Callback):
@@ -57,7 +70,7 @@ class GatherForMetrics(Callback):
         target_key: str = "target",
         val_prefix: str = "val/",
         test_prefix: str = "test/",
-        gather_every: str = "batch",
+        gather_every: Literal["batch", "epoch"] = "batch",
     ) -> None:
         if gather_every not in ("batch", "epoch"):
             raise ValueError(f"GatherForMetrics(gather_every={gather_every!r}): use 'batch' or 'epoch'.")
@@ -67,25 +80,32 @@ class GatherForMetrics(Callback):
                 f"{type(metrics).__name__}; wrap it: GatherForMetrics({{'name': metric}})."
             )
         for name, metric in (metrics or {}).items():
-            if not (isinstance(metric, Metric) or callable(metric)):
-                raise TypeError(f"GatherForMetrics: metric {name!r} is a {type(metric).__name__}; pass a torchmetrics Metric or a callable(preds, target).")
+            if not (isinstance(metric, _STATEFUL) or callable(metric)):
+                raise TypeError(
+                    f"GatherForMetrics: metric {name!r} is a {type(metric).__name__}; pass a torchmetrics Metric or "
+                    "MetricCollection, or a callable(preds, target)."
+                )
         self.metrics: dict[str, MetricLike] = dict(metrics or {})
         self.preds_key, self.target_key = preds_key, target_key
         self.gather_every = gather_every
         self.prefixes = {"validate": val_prefix, "test": test_prefix}
         self.states: dict[str, dict[int, GatherState]] = {}
         self.results: dict[str, dict[str, Any]] = {}  # stage -> logged name -> value, from the last epoch
+        # per Trainer run (re-created in setup): metric copies on the module's device, outputs kept for the epoch
+        # end, the first bad step output of this rank per dataloader (gather_every="epoch" reports it there)
         self._copies: dict[tuple[str, int], dict[str, MetricLike]] = {}
         self._collected: dict[tuple[str, int], dict[str, list[Any]]] = {}
+        self._problems: dict[tuple[str, int], str] = {}
+        self._silenced: dict[str, Any] = {}  # logged name -> the warnings filter this run installed for it
 
     # hooks ------------------------------------------------------------------------------------------------------
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # Lightning suggests sync_dist=True for every epoch-level value logged without it; ours are global already
-        for prefix in self.prefixes.values():
-            warnings.filterwarnings(
-                "ignore", message=rf"It is recommended to use `self\.log\('{re.escape(prefix)}", category=PossibleUserWarning
-            )
+        # a new run may be on another device and must not see the previous run's samples
+        self._copies, self._collected, self._problems = {}, {}, {}
+        for run_stage in _RUN_STAGES.get(stage, ()):
+            self.states.pop(run_stage, None)
+            self.results.pop(run_stage, None)
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start("validate")
@@ -116,6 +136,11 @@ class GatherForMetrics(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._clear_context()
+        self._restore_warnings()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._clear_context()
+        self._restore_warnings()
 
     # work ---------------------------------------------------------------------------------------------------------
 
@@ -133,7 +158,7 @@ class GatherForMetrics(Callback):
         for key, copies in self._copies.items():
             if key[0] == stage:
                 for metric in copies.values():
-                    if isinstance(metric, Metric):
+                    if isinstance(metric, _STATEFUL):
                         metric.reset()
 
     def _batch_start(self, trainer: Trainer, stage: str, batch: Any, dataloader_idx: int) -> None:
@@ -148,21 +173,21 @@ class GatherForMetrics(Callback):
     def _batch_end(self, pl_module: LightningModule, stage: str, outputs: Any, dataloader_idx: int) -> None:
         if not self.metrics:
             return
-        step = "validation_step" if stage == "validate" else "test_step"
-        missing = [k for k in (self.preds_key, self.target_key) if not isinstance(outputs, Mapping) or k not in outputs]
-        if missing:
-            returned = f"a dict with keys {sorted(map(str, outputs))}" if isinstance(outputs, Mapping) else repr(type(outputs).__name__)
-            raise KeyError(
-                f"GatherForMetrics reads {self.preds_key!r} and {self.target_key!r} from what {step} returns, but it "
-                f"returned {returned} (missing {missing}). Return {{{self.preds_key!r}: ..., {self.target_key!r}: ...}} "
-                f"from {step}, or pass GatherForMetrics(..., preds_key=..., target_key=...)."
-            )
+        key = (stage, dataloader_idx)
+        problem = self._output_problem(stage, outputs)
+        if problem is not None and not is_distributed():
+            raise StepOutputError(problem)
         if self.gather_every == "epoch":
-            local = self._collected.setdefault((stage, dataloader_idx), {"preds": [], "target": []})
-            local["preds"].append(_detached(outputs[self.preds_key]))
-            local["target"].append(_detached(outputs[self.target_key]))
+            if problem is not None:  # the other ranks gather at epoch end: fail together there
+                self._problems.setdefault(key, problem)
+            elif key not in self._problems:
+                local = self._collected.setdefault(key, {"preds": [], "target": []})
+                local["preds"].append(_detached(outputs[self.preds_key]))
+                local["target"].append(_detached(outputs[self.target_key]))
             return
         state = self.states[stage][dataloader_idx]
+        if problem is not None:  # the other ranks are entering this batch's gather: raise there, on every rank
+            fail_gather(StepOutputError(problem), state)
         gathered = gather_for_metrics({"preds": outputs[self.preds_key], "target": outputs[self.target_key]}, state=state)
         self._update(pl_module, stage, dataloader_idx, gathered["preds"], gathered["target"])
 
@@ -170,13 +195,13 @@ class GatherForMetrics(Callback):
         """Feed globally gathered, de-duplicated predictions and targets to the metrics."""
         copies = self._metric_copies(stage, dataloader_idx, pl_module.device)
         collected = self._collected.setdefault((stage, dataloader_idx), {"preds": [], "target": []})
-        if any(not isinstance(m, Metric) for m in copies.values()):
+        if any(not isinstance(m, _STATEFUL) for m in copies.values()):
             collected["preds"].append(preds)
             collected["target"].append(target)
         if _num_rows(preds) == 0:
             return
         for metric in copies.values():
-            if isinstance(metric, Metric):
+            if isinstance(metric, _STATEFUL):
                 metric.update(preds, target)
 
     def _epoch_end(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -189,6 +214,8 @@ class GatherForMetrics(Callback):
             return
         if self.gather_every == "epoch":
             for idx in sorted(states):
+                if (stage, idx) in self._problems:
+                    fail_gather(StepOutputError(self._problems[(stage, idx)]), states[idx])
                 local = self._collected.pop((stage, idx), {"preds": [], "target": []})
                 gathered = gather_for_metrics(
                     {"preds": _concat(local["preds"]), "target": _concat(local["target"])}, state=states[idx]
@@ -200,7 +227,7 @@ class GatherForMetrics(Callback):
             copies = self._metric_copies(stage, idx, pl_module.device)
             collected = self._collected.get((stage, idx), {"preds": [], "target": []})
             for name, metric in copies.items():
-                if isinstance(metric, Metric):
+                if isinstance(metric, _STATEFUL):
                     value = metric.compute()
                     metric.reset()
                 else:
@@ -208,6 +235,7 @@ class GatherForMetrics(Callback):
                 suffix = f"/dataloader_idx_{idx}" if several else ""
                 for log_name, log_value in _named_values(f"{self.prefixes[stage]}{name}", value, suffix):
                     results[log_name] = log_value
+                    self._silence_sync_dist_hint(log_name)
                     pl_module.log(log_name, log_value, sync_dist=False, add_dataloader_idx=False, on_step=False, on_epoch=True)
         self.results[stage] = results
 
@@ -216,7 +244,7 @@ class GatherForMetrics(Callback):
         if key not in self._copies:
             copies: dict[str, MetricLike] = {}
             for name, metric in self.metrics.items():
-                if isinstance(metric, Metric):
+                if isinstance(metric, _STATEFUL):
                     metric = copy.deepcopy(metric).to(device)
                     _disable_sync(metric)
                 copies[name] = metric
@@ -236,16 +264,57 @@ class GatherForMetrics(Callback):
             raise RuntimeError(f"GatherForMetrics: the trainer reports no {stage} dataloader {dataloader_idx} (it has {len(loaders)}).")
         return loaders[dataloader_idx]
 
+    def _output_problem(self, stage: str, outputs: Any) -> str | None:
+        """Why ``outputs`` lacks the predictions or targets (and what to change), or None when it has both."""
+        missing = [k for k in (self.preds_key, self.target_key) if not isinstance(outputs, Mapping) or k not in outputs]
+        if not missing:
+            return None
+        step = "validation_step" if stage == "validate" else "test_step"
+        returned = f"a dict with keys {sorted(map(str, outputs))}" if isinstance(outputs, Mapping) else repr(type(outputs).__name__)
+        return (
+            f"GatherForMetrics reads {self.preds_key!r} and {self.target_key!r} from what {step} returns, but it "
+            f"returned {returned} (missing {missing}). Return {{{self.preds_key!r}: ..., {self.target_key!r}: ...}} "
+            f"from {step}, or pass GatherForMetrics(..., preds_key=..., target_key=...)."
+        )
+
+    def _silence_sync_dist_hint(self, name: str) -> None:
+        """Lightning suggests ``sync_dist=True`` for epoch values logged without it; ``name`` is global already.
+
+        The filter matches that hint for this exact name only (the user's own values still get it) and is removed
+        when the Trainer run ends.
+        """
+        if name in self._silenced:
+            return
+        hint = f"It is recommended to use `self.log({name!r}, ..., sync_dist=True)`"
+        warnings.filterwarnings("ignore", message=re.escape(hint), category=PossibleUserWarning)
+        self._silenced[name] = warnings.filters[0]
+
+    def _restore_warnings(self) -> None:
+        if not self._silenced:
+            return
+        ours = list(self._silenced.values())
+        warnings.filters[:] = [f for f in warnings.filters if not any(f is o for o in ours)]
+        mutated = getattr(warnings, "_filters_mutated", None)  # drops cached decisions (Python <= 3.13)
+        if mutated is not None:
+            mutated()
+        self._silenced.clear()
+
     def _clear_context(self) -> None:
         state = current_state()
         if state is not None and any(state is s for states in self.states.values() for s in states.values()):
             set_current_state(None)
 
 
-def _disable_sync(metric: Metric) -> None:
-    """Every rank updates with the global data already, so a cross-rank sync would count samples world_size times."""
-    for module in metric.modules():
-        if isinstance(module, Metric):
+def _disable_sync(metric: Metric | MetricCollection) -> None:
+    """Every rank updates with the global data already, so a cross-rank sync would count samples world_size times.
+
+    Walks every ``Metric`` inside: a collection's members and the metrics that wrappers hold.
+    """
+    members = metric.values(copy_state=False) if isinstance(metric, MetricCollection) else [metric]
+    for member in members:
+        for module in member.modules():
+            if not isinstance(module, Metric):
+                continue
             module.sync_on_compute = False
             module.dist_sync_on_step = False
             module._to_sync = False

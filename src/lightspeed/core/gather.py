@@ -24,7 +24,7 @@ dropped without knowing the sampler. On a single process (or without a process g
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,13 +32,9 @@ import torch.distributed as dist
 from lightspeed.core.gather_state import (
     GatherState, _warn_once, current_state, find_distributed_sampler, infer_batch_size, set_current_state,
 )
-from lightspeed.core.gather_sync import GatherError, agree, comm_device, is_distributed
+from lightspeed.core.gather_sync import CallSite, GatherError, agree, comm_device, is_distributed
 from lightspeed.core.gather_tree import Leaf, flatten
 from lightspeed.core.padding import pad_across_processes
-
-_GATHER = 1
-_END = 2
-_OBJECT = 3
 
 
 def gather_for_metrics(data: Any, state: GatherState | None = None) -> Any:
@@ -99,7 +95,7 @@ def gather_for_metrics(data: Any, state: GatherState | None = None) -> Any:
             next(local_valid)
         elif leaf.kind == "scalar":
             tensors.append((index, leaf.value.reshape(1)))
-    site = (_GATHER, state.batches if state is not None else 0)
+    site = (CallSite.GATHER, state.batches if state is not None else 0)
     site_text = f"gather_for_metrics in batch {site[1]} of {state.name}" if state is not None else "gather_for_metrics"
     accounting = [] if state is None else [f"accounting: {state.layout}, total={state.total_samples}, {state.name}"]
     infos, raw = agree(
@@ -174,6 +170,21 @@ def track(dataloader: Iterable[Any], state: GatherState | None = None) -> Iterat
     end_of_dataloader(state)
 
 
+def fail_gather(error: GatherError, state: GatherState | None = None) -> NoReturn:
+    """Raise ``error`` on every rank, from inside the ``gather_for_metrics`` call that the other ranks are in.
+
+    For a rank that cannot make its gather (e.g. a step returned no predictions): raising only here would leave
+    the other ranks waiting in theirs. Instead this rank joins that collective flagged as failed, and every rank
+    raises ``type(error)`` with the message, naming this rank. Without a process group it raises ``error`` as is.
+    """
+    if not is_distributed():
+        raise error
+    state = state if state is not None else current_state()
+    site = (CallSite.GATHER, state.batches if state is not None else 0)
+    agree("gather_for_metrics", ["failed"], site, "a failed gather_for_metrics", str(error), error_type=type(error))
+    raise error  # not reached: agree raises on every rank when one reports an error
+
+
 def gather_object(obj: Any) -> list[Any]:
     """Gather one picklable object from every rank: a list with one entry per rank, in rank order.
 
@@ -182,7 +193,7 @@ def gather_object(obj: Any) -> list[Any]:
     """
     if not is_distributed():
         return [obj]
-    agree("gather_object", ["object"], (_OBJECT, 0), "gather_object")
+    agree("gather_object", ["object"], (CallSite.OBJECT, 0), "gather_object")
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
@@ -202,7 +213,7 @@ def end_of_dataloader(state: GatherState, complete: bool = True) -> int:
     site_text = f"the end of {state.name} after {state.batches} batches"
     counts, _ = agree(
         "gather_for_metrics", [f"accounting: {state.layout}, total={state.total_samples}, {state.name}"],
-        (_END, state.batches), site_text, payload=[state.seen, own_real],
+        (CallSite.END, state.batches), site_text, payload=[state.seen, own_real],
     )
     real_total = sum(real for _, real in counts)
     if complete and state.from_iterable_len and not state.drop_last_batches and state.total_samples is not None:
@@ -294,5 +305,5 @@ def _unpack(raw: torch.Tensor, layout: Sequence[tuple[torch.dtype, int, tuple[in
 
 __all__ = [
     "gather_for_metrics", "pad_across_processes", "gather_object", "end_of_dataloader", "GatherState", "GatherError",
-    "track", "current_state", "find_distributed_sampler",
+    "fail_gather", "track", "current_state", "find_distributed_sampler",
 ]

@@ -8,6 +8,11 @@ Each gather is a single all-gather of one buffer per rank holding
 * the data itself, packed as bytes, when it fits the buffer size the ranks agreed on (every rank derives it from
   the previous gathers, so the sizes always match); otherwise a second all-gather carries it.
 
+Every call sends the same number of bytes, data or not (``pad_across_processes`` and the end-of-dataloader check
+carry zeros where a gather's data would go): ranks that are in *different* calls (one still gathering a batch while
+another has reached the end of its shorter shard) must still meet in a collective of one size, since gloo aborts
+the process on a size mismatch; only equal sizes let them compare headers and raise a clear error.
+
 Only when the headers disagree do the ranks exchange full descriptions (one object gather) to say which rank
 differs and how. A rank that never arrives is named, on every rank that did, after ``LIGHTSPEED_GATHER_TIMEOUT``
 seconds (default 300; ``0`` waits forever): the collective is waited on with that timeout (gloo), then each
@@ -21,6 +26,7 @@ import os
 import time
 import zlib
 from datetime import timedelta
+from enum import IntEnum
 from typing import Sequence
 
 import torch
@@ -32,6 +38,15 @@ DEFAULT_TIMEOUT_S = 300.0
 
 class GatherError(RuntimeError):
     """Ranks disagree about a gather (structure, dtype, shape, call site), or a rank never arrived."""
+
+
+class CallSite(IntEnum):
+    """Which collective a rank is in; travels in every header, so ranks in different calls are told apart."""
+
+    GATHER = 1  # gather_for_metrics
+    END = 2  # end_of_dataloader
+    OBJECT = 3  # gather_object
+    PAD = 4  # pad_across_processes
 
 
 def is_distributed() -> bool:
@@ -117,7 +132,7 @@ _HEADER_INTS = 6 + PAYLOAD_CAPACITY
 _HEADER_BYTES = 8 * _HEADER_INTS  # a multiple of 16, so packed data after it stays aligned
 #: data up to this many bytes rides in the header's collective once the ranks have seen gathers that large
 INLINE_DATA_LIMIT = 256 * 1024
-_inline_capacity = 0  # bytes of data the next collective carries; updated identically on every rank
+_inline_capacity = 0  # bytes of data every next collective carries (any call site); same on every rank
 
 
 def agree(
@@ -128,13 +143,16 @@ def agree(
     error: str | None = None,
     payload: Sequence[int] = (),
     data: torch.Tensor | None = None,
+    error_type: type[GatherError] = GatherError,
 ) -> tuple[list[list[int]], list[torch.Tensor] | None]:
     """Check that every rank is in the same call with the same data layout, and exchange ``payload`` and ``data``.
 
     ``signature`` is one line per leaf ("path: description"), ``call_site`` two integers identifying the call
-    (kind, batch number) with ``call_site_text`` its human form, ``error`` a problem this rank found locally: any
-    disagreement raises a :class:`GatherError` on every rank. ``payload`` (ints whose count follows from the
-    signature) and ``data`` (a flat uint8 tensor whose length is a multiple of 16) come back per rank.
+    (a :class:`CallSite`, batch number) with ``call_site_text`` its human form, ``error`` a problem this rank found
+    locally: any disagreement raises a :class:`GatherError` on every rank; a rank's ``error`` is raised everywhere as
+    that rank's ``error_type`` (a subclass, so one ``except GatherError`` catches all). ``payload`` (ints whose
+    count follows from the signature) and ``data`` (a flat uint8 tensor whose length is a multiple of 16) come
+    back per rank.
     """
     global _SEQUENCE, _inline_capacity
     _SEQUENCE += 1
@@ -156,8 +174,9 @@ def agree(
     rows = gathered[:, :_HEADER_BYTES].cpu().contiguous().view(torch.int64).view(world, _HEADER_INTS).tolist()
     if not all(row[:3] == rows[0][:3] and row[3] == 0 for row in rows):
         details: list = [None] * world
-        dist.all_gather_object(details, (list(signature), call_site_text, error))
-        raise GatherError(describe_disagreement(what, details))
+        dist.all_gather_object(details, (list(signature), call_site_text, error, error_type))
+        raising = next((kind for _, _, err, kind in details if err), GatherError)
+        raise raising(describe_disagreement(what, [d[:3] for d in details]))
     payloads = [row[6:6 + len(payload)] for row in rows] if inline_payload else all_gather_ints(payload)
     if data is None:
         return payloads, None
@@ -178,9 +197,14 @@ def agree(
 
 def describe_disagreement(what: str, details: Sequence[tuple[list[str], str, str | None]]) -> str:
     """Human explanation of how ranks differ (errors first, then call site, then structure)."""
-    errors = [f"rank {r}: {err}" for r, (_, _, err) in enumerate(details) if err]
-    if errors:
-        return f"{what}: " + "; ".join(errors)
+    by_error: dict[str, list[int]] = {}
+    for rank, (_, _, err) in enumerate(details):
+        if err:
+            by_error.setdefault(err, []).append(rank)
+    if by_error:  # the same problem on several ranks is said once
+        return f"{what}: " + "; ".join(
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {err}" for err, ranks in by_error.items()
+        )
     sites = [site for _, site, _ in details]
     if len(set(sites)) > 1:
         listing = "; ".join(f"rank {r} is in {site}" for r, site in enumerate(sites))

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightspeed.core.gather_sync import agree, is_distributed
+from lightspeed.core.gather_sync import CallSite, agree, is_distributed
 from lightspeed.core.gather_tree import flatten
 
 
@@ -45,7 +45,7 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: Any = 0, pad_first:
     sizes, _ = agree(
         "pad_across_processes",
         [leaf.describe() for leaf in leaves] + [f"dim={dim}, pad_first={pad_first}"],
-        (4, 0),
+        (CallSite.PAD, 0),
         "pad_across_processes",
         error,
         payload=[leaf.value.shape[dim] if error is None else 0 for leaf in tensors],

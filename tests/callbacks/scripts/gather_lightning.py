@@ -3,14 +3,17 @@
 ``python gather_lightning.py OUT_DIR WORLD STRATEGY``: one Trainer (CPU, ``devices=WORLD``, Lightning's own
 launcher) runs ``fit`` (sanity check, 2 training steps with Adam at lr=0, validation), ``validate`` and ``test`` over
 several dataloaders. Every rank saves ``rank{r}.pt``: what the callback logged, what ``gather_for_metrics`` returned
-by hand (per batch in ``validation_step`` and once in ``on_validation_epoch_end``), and the values torchmetrics'
-plain ``sync_dist`` logging produced on the same run.
+by hand (per batch in ``validation_step`` and once in ``on_validation_epoch_end``), the values torchmetrics'
+plain ``sync_dist`` logging produced on the same run, Lightning's ``sync_dist=True`` hints raised during the runs,
+and, per ``gather_every`` mode, the error each rank got from a validation in which rank 1's step returns the wrong
+keys.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -98,6 +101,8 @@ class EvalModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
         out = self._eval_step(batch, dataloader_idx, dataloader_idx)
+        # logged without sync_dist under a prefix the callback also uses: Lightning's hint must still reach the user
+        self.log("val/own", out["labels"].float().mean(), on_epoch=True)
         self.log("plain/acc", self.plain_acc[dataloader_idx], sync_dist=True, on_epoch=True)
         self.log("plain/count", self.plain_count[dataloader_idx], sync_dist=True, on_epoch=True)
         return out
@@ -133,6 +138,39 @@ class EvalModule(L.LightningModule):
         self._epoch_end("test")
 
 
+class WrongKeysOnRank1(L.LightningModule):
+    """Rank 1's validation_step returns the wrong keys; the other ranks return what the callback reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = model()
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        preds = self.net(x).argmax(-1)
+        return {"logits": preds, "labels": y} if self.global_rank == 1 else {"logits_argmax": preds, "labels": y}
+
+
+def wrong_keys_errors(world: int) -> dict[str, str | None]:
+    """Per gather_every mode: the error this rank got (every rank must get the same one, none may hang)."""
+    errors: dict[str, str | None] = {}
+    for mode in ("batch", "epoch"):
+        callback = GatherForMetrics(
+            {"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")},
+            preds_key="logits_argmax", target_key="labels", gather_every=mode,
+        )
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, strategy="ddp", callbacks=[callback], logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        try:
+            trainer.validate(WrongKeysOnRank1(), dataloaders=DataLoader(MapData(7), batch_size=2), verbose=False)
+            errors[mode] = None
+        except Exception as err:  # noqa: BLE001 - the message is the result
+            errors[mode] = f"{type(err).__name__}: {err}"
+    return errors
+
+
 def main() -> None:
     out_dir, world, strategy = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
@@ -159,16 +197,22 @@ def main() -> None:
     )
     val_loaders = [loader(*spec) for spec in VAL.values()]
     logged = {}
-    trainer.fit(module, train_dataloaders=DataLoader(MapData(8), batch_size=2), val_dataloaders=val_loaders)
-    logged["fit"] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
-    module.phase = "validate"
-    trainer.validate(module, dataloaders=val_loaders, verbose=False)
-    logged["validate"] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
-    module.phase = "test"
-    trainer.test(module, dataloaders=loader(*TEST), verbose=False)
-    logged["test"] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, train_dataloaders=DataLoader(MapData(8), batch_size=2), val_dataloaders=val_loaders)
+        logged["fit"] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
+        module.phase = "validate"
+        trainer.validate(module, dataloaders=val_loaders, verbose=False)
+        logged["validate"] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
+        module.phase = "test"
+        trainer.test(module, dataloaders=loader(*TEST), verbose=False)
+        logged["test"] = {k: v.clone() for k, v in trainer.callback_metrics.items()}
+    hints = [str(w.message) for w in caught if "sync_dist=True" in str(w.message)]
     torch.save(
-        {"logged": logged, "record": dict(module.record), "results": callback.results, "world": trainer.world_size},
+        {
+            "logged": logged, "record": dict(module.record), "results": callback.results, "world": trainer.world_size,
+            "sync_dist_hints": hints, "wrong_keys": wrong_keys_errors(world),
+        },
         out_dir / f"rank{trainer.global_rank}.pt",
     )
 

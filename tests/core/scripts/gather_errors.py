@@ -22,8 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gather_data import LengthIterable, MapData, ShardedIterable  # noqa: E402
 
 from lightspeed import gather_for_metrics, pad_across_processes  # noqa: E402
-from lightspeed.core.gather import track  # noqa: E402
+from lightspeed.core.gather import fail_gather, track  # noqa: E402
 from lightspeed.core.gather_state import GatherState  # noqa: E402
+from lightspeed.core.gather_sync import GatherError  # noqa: E402
+
+
+class NoPredictions(GatherError):
+    """A caller's own error type, raised on every rank through fail_gather."""
 
 
 def catch(fn) -> str | None:
@@ -67,6 +72,22 @@ def run_errors(out_dir: Path) -> None:
         for x, _, _ in track(DataLoader(ShardedIterable(7, rank, world, padded=False), batch_size=2)):
             gather_for_metrics(x)
     results["uneven_batches"] = catch(uneven)
+
+    # the same with a pad_across_processes before each gather: rank 0 pads its second batch while the others
+    # check the end of the dataloader; a data-less call must send as many bytes as a gather or gloo aborts
+    def uneven_pad() -> None:
+        for x, _, _ in track(DataLoader(ShardedIterable(7, rank, world, padded=False), batch_size=2)):
+            gather_for_metrics(pad_across_processes(x, dim=1))
+    results["uneven_pad"] = catch(uneven_pad)
+
+    # one rank cannot make its gather (e.g. a step returned no predictions) while the others gather
+    def one_fails() -> None:
+        state = one_batch_state(rank, world)
+        if rank == 2:
+            fail_gather(NoPredictions("validation_step returned None; return the predictions."), state)
+        gather_for_metrics(torch.zeros(3), state=state)
+    results["fail_gather"] = catch(one_fails)
+    results["fail_gather_everywhere"] = catch(lambda: fail_gather(NoPredictions("no predictions."), one_batch_state(rank, world)))
 
     # __len__ returning the per-rank count instead of the total over all ranks
     def per_rank_len() -> None:
