@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python examples/train_lm.py "$@"
+. scripts/env.sh
+.venv/bin/python examples/train_lm.py "$@"

@@ -5,6 +5,7 @@
 # compiled once into the torch extensions cache so the first training run does not pay for it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/env.sh
 PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
@@ -30,7 +31,9 @@ if ! python -c "import lightspeed, deepspeed, pytest, transformers" >/dev/null 2
 fi
 python -c "import lightspeed, deepspeed" || { echo "[setup] installation failed" >&2; exit 1; }
 
-echo "[setup] building DeepSpeed CPU ops (cached after the first time)"
+echo "[setup] building DeepSpeed CPU ops into $TORCH_EXTENSIONS_DIR (cached after the first time)"
+# a build killed half-way leaves its lock behind and every later run would wait on it forever; nothing builds now
+rm -f "$TORCH_EXTENSIONS_DIR"/*/lock
 DS_ACCELERATOR=cpu python - <<'PYEOF'
 import warnings
 warnings.filterwarnings("ignore")

@@ -5,8 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup_xla.sh
-
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+. scripts/env.sh
 echo "[test] main suite (.venv: torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
 .venv/bin/python -m pytest "$@"
 
