@@ -2,7 +2,8 @@
 
 A LightningModule-style wrapper around a tiny GPT-2 (built from a config, no download) trained with ZeRO-3 is
 exported with ``--strip-prefix model.``; ``GPT2LMHeadModel.from_pretrained`` loads it with no missing key and gives
-the same logits as GPT-2 holding the live fp32 weights. User errors exit with code 2 and one message on stderr.
+the same logits as GPT-2 holding the live fp32 weights. A single-file checkpoint from a real one-device fit exports
+too. User errors exit with code 2 and one message on stderr.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "core" / "scripts"))
 from checkpoint_fixture import HF, checkpoint_of, zero_checkpoints  # noqa: E402
 from checkpoint_models import tiny_gpt2_config  # noqa: E402
+from lightning_file_fixture import TinyLightningLM, train_and_save  # noqa: E402
 
 from lightspeed.cli import export_command  # noqa: E402
 
@@ -26,6 +28,12 @@ from lightspeed.cli import export_command  # noqa: E402
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     return zero_checkpoints(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def lightning_file(tmp_path_factory) -> tuple[Path, dict]:
+    """A single-file checkpoint from a real one-device CPU fit (see lightning_file_fixture.py)."""
+    return train_and_save(tmp_path_factory.mktemp("lightning_file"))
 
 
 def lightspeed_cli(*args: str) -> subprocess.CompletedProcess:
@@ -115,6 +123,45 @@ def test_console_script_exit_code_and_overwrite(root, tmp_path):
     assert "exists and is not empty" in proc.stderr
     assert export_command.run(parse(ckpt, out, "--overwrite", "--quiet")) == 0
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
+def test_single_file_lightning_checkpoint(lightning_file, tmp_path, capsys):
+    from lightspeed.export import load_exported
+
+    ckpt, reference = lightning_file
+    out = tmp_path / "bf16"
+    assert export_command.run(parse(ckpt, out, "--dtype", "bf16", "--max-shard-size", "none", "--quiet")) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    fresh = TinyLightningLM().bfloat16()
+    load_exported(fresh, out)
+    for key, value in fresh.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            expected = reference[key].bfloat16() if reference[key].is_floating_point() else reference[key]
+            assert torch.equal(value, expected), key
+    assert fresh.model.head.weight is fresh.model.embed.weight and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("case", ["exclude_frozen", "tag", "not_lightning"])
+def test_single_file_user_errors_exit_2(lightning_file, tmp_path, capsys, case):
+    ckpt, _ = lightning_file
+    foreign = tmp_path / "weights.pt"
+    torch.save({"weights": torch.ones(2)}, foreign)
+    out = tmp_path / "out"
+    args = {
+        "exclude_frozen": (ckpt, out, "--exclude-frozen"),
+        "tag": (ckpt, out, "--tag", "checkpoint"),
+        "not_lightning": (foreign, out),
+    }[case]
+    assert export_command.run(parse(*args)) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lightspeed export: error: ") and captured.out == ""
+    expected = {
+        "exclude_frozen": "does not record which parameters were frozen",
+        "tag": "is a single-file checkpoint, which has no tags; leave out tag (--tag)",
+        "not_lightning": "weights.pt is not a Lightning checkpoint: it has no 'state_dict' entry",
+    }[case]
+    assert expected in lines[0] and not out.exists()
 
 
 def test_help_lists_every_option():

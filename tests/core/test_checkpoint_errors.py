@@ -48,7 +48,7 @@ def test_not_a_checkpoint(tmp_path):
         export_checkpoint(tmp_path / "empty", tmp_path / "out")
     single = tmp_path / "model.ckpt"
     torch.save({"state_dict": {}}, single)
-    with pytest.raises(CheckpointError, match=r"model.ckpt is a file, not a DeepSpeed checkpoint directory"):
+    with pytest.raises(CheckpointError, match=r"model.ckpt: the checkpoint's 'state_dict' holds no entries; there is nothing to export"):
         export_checkpoint(single, tmp_path / "out")
     with pytest.raises(CheckpointError, match=r"nowhere: no such checkpoint"):
         export_checkpoint(tmp_path / "nowhere", tmp_path / "out")

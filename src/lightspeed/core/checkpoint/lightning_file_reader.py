@@ -17,6 +17,7 @@ is of kind ``"module"``.
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,13 @@ def _not_lightning(path: Path, state: Any) -> CheckpointError:
 def read_lightning_file(checkpoint: str | os.PathLike) -> LightningFileCheckpoint:
     """Read the structure of the single-file checkpoint ``checkpoint`` (no tensor data) and find its tied weights."""
     path = Path(checkpoint)
-    state = load_lazy(path)
+    try:
+        state = load_lazy(path)
+    except (zipfile.BadZipFile, EOFError, OSError) as error:  # a damaged zip record that torch_zip reads directly
+        raise CheckpointError(
+            f"{path} is corrupt ({error}); it was damaged after saving or the save was interrupted - use an earlier "
+            "checkpoint"
+        ) from None
     state_dict = state.get("state_dict") if isinstance(state, dict) else None
     if not isinstance(state_dict, dict):
         raise _not_lightning(path, state)
