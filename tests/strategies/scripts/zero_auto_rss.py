@@ -1,11 +1,13 @@
-"""Worker: peak resident memory of short CPU ZeRO runs of a ~50M-parameter MLP, one strategy after another.
+"""Worker: peak resident memory of short CPU ZeRO runs of a ~50M-parameter MLP, one ZeRO stage after another.
 
 Each rank first warms every strategy up on a tiny model (so code, threads and DeepSpeed's caches are loaded), then
 for each strategy: frees what it can, notes the resident memory as the baseline, resets the kernel's peak counter
 (/proc/self/clear_refs), builds the model, trains 2 steps and reads the peak (VmHWM). Writes rank<N>.json.
 
-usage: zero_auto_rss.py OUT_DIR STAGE --width W --depth D --batch B [--config JSON]
-STAGE is the ZeRO stage of a lightspeed ZeroStrategy; --config is merged into its DeepSpeed config.
+usage: zero_auto_rss.py OUT_DIR STAGES --width W --depth D --batch B [--config JSON]
+STAGES are ZeRO stages of a lightspeed ZeroStrategy, comma-separated ("2,3"), measured in that order in the same
+processes (one launch instead of one per stage); --config is merged into each DeepSpeed config.
+Writes rank<N>_stage<S>.json per stage.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _fit(stage: int, config: dict, model: L.LightningModule, width: int, batch: 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("stage", type=int)
+    parser.add_argument("stages", type=lambda text: [int(stage) for stage in text.split(",")])
     parser.add_argument("--config", default="{}")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=12)
@@ -75,16 +77,19 @@ def main() -> None:
     config = json.loads(args.config)
     rank = int(os.environ["RANK"])
 
-    _fit(args.stage, config, WideMLP(64, 2), 64, args.batch, 1)  # warm-up: same code paths, negligible memory
-    _release()
-    baseline = _status_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
-    L.seed_everything(0, verbose=False)
-    model = WideMLP(args.width, args.depth)
-    trainer = _fit(args.stage, config, model, args.width, args.batch, 2)
-    peak = _status_kib("VmHWM")
-    result = {"stage": args.stage, "baseline_kib": baseline, "peak_kib": peak, "steps": trainer.global_step}
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    for stage in args.stages:
+        _fit(stage, config, WideMLP(64, 2), 64, args.batch, 1)  # warm-up: same code paths, negligible memory
+    for stage in args.stages:
+        _release()
+        baseline = _status_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+        L.seed_everything(0, verbose=False)
+        model = WideMLP(args.width, args.depth)
+        trainer = _fit(stage, config, model, args.width, args.batch, 2)
+        peak = _status_kib("VmHWM")
+        result = {"stage": stage, "baseline_kib": baseline, "peak_kib": peak, "steps": trainer.global_step}
+        (args.out / f"rank{rank}_stage{stage}.json").write_text(json.dumps(result))
+        del model, trainer  # whatever of it stays referenced is in the next baseline
 
 
 if __name__ == "__main__":
