@@ -35,6 +35,7 @@ __all__ = ["CheckpointError", "ExportError", "ExportResult", "LoadResult", "expo
 def export_checkpoint(
     ckpt: str | os.PathLike,
     out: str | os.PathLike,
+    *,
     dtype: str | torch.dtype = "fp32",
     max_shard_size: int | str | None = "5GB",
     tag: str | None = None,

@@ -101,3 +101,18 @@ def test_refuses_non_deepspeed_strategy_and_occupied_directory(tmp_path):
     ZeroExport(occupied, overwrite=True).setup(zero, LitLM("tiny"), "fit")
     with pytest.raises(ExportError, match=r"unsupported export dtype 'float8'"):
         ZeroExport(tmp_path / "export", dtype="float8")
+
+
+def test_every_rank_raises_when_rank_zero_fails(runs):
+    """Rank 0 failing mid-export (write error) or in the setup check (the first fit's export is in the way) makes
+    every rank raise, and a collective afterwards completes: no rank is left waiting for rank 0."""
+    reference = torch.load(runs / "zero3_offload" / "reference.pt", weights_only=False)
+    rank0, rank1 = reference["failures"]
+    assert rank0["failed_write"] == "OSError: disk full"
+    assert rank1["failed_write"].startswith("ExportError: rank 0 could not write the export to ")
+    assert rank1["failed_write"].endswith("broken_export (OSError: disk full)")
+    assert not rank0["broken_export_exists"]  # the staging directory was removed, nothing appeared
+    for outcome in (rank0, rank1):  # a second fit must not replace the first fit's export (overwrite=False)
+        assert outcome["second_fit"].startswith("ExportError: output directory ")
+        assert "exists and is not empty; pass overwrite=True" in outcome["second_fit"]
+

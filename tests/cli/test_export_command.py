@@ -23,6 +23,7 @@ from checkpoint_models import tiny_gpt2_config  # noqa: E402
 from lightning_file_fixture import TinyLightningLM, train_and_save  # noqa: E402
 
 from lightspeed.cli import export_command  # noqa: E402
+from lightspeed.cli.main import main as cli_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_user_errors_exit_2_with_one_message(root, tmp_path, capsys, case):
     if case == "occupied":
         out.mkdir()
         (out / "keep.txt").write_text("x")
-    assert export_command.run(parse(*args)) == 2
+    assert cli_main(["export", *map(str, args)]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lightspeed export: error: ") and captured.out == ""
@@ -107,7 +108,7 @@ def test_user_errors_exit_2_with_one_message(root, tmp_path, capsys, case):
         "missing": "nowhere: no such checkpoint",
         "occupied": "exists and is not empty; pass overwrite=True (--overwrite",
         "tag": "unknown tag 'nope'",
-        "shard": "cannot read the shard size 'lots'",
+        "shard": "Cannot read max shard size 'lots'",
     }[case]
     assert expected in lines[0]
     assert (sorted(p.name for p in out.iterdir()) == ["keep.txt"]) if case == "occupied" else not out.exists()
@@ -152,13 +153,13 @@ def test_single_file_user_errors_exit_2(lightning_file, tmp_path, capsys, case):
         "tag": (ckpt, out, "--tag", "checkpoint"),
         "not_lightning": (foreign, out),
     }[case]
-    assert export_command.run(parse(*args)) == 2
+    assert cli_main(["export", *map(str, args)]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lightspeed export: error: ") and captured.out == ""
     expected = {
         "exclude_frozen": "does not record which parameters were frozen",
-        "tag": "is a single-file checkpoint, which has no tags; leave out tag (--tag)",
+        "tag": "is a single-file checkpoint, which has no tags; leave out tag=... (--tag on the command line)",
         "not_lightning": "weights.pt is not a Lightning checkpoint: it has no 'state_dict' entry",
     }[case]
     assert expected in lines[0] and not out.exists()

@@ -166,7 +166,7 @@ def test_bad_options(root, tmp_path):
     ckpt, _, _ = checkpoint_of(root, "s2_none_fp32")
     with pytest.raises(ExportError, match=r"unsupported export dtype 'int8'; choose fp32, bf16 or fp16"):
         export_checkpoint(ckpt, tmp_path / "out", dtype="int8")
-    with pytest.raises(ExportError, match=r"cannot read the shard size '2 gigs'; write it like 2GB"):
+    with pytest.raises(ExportError, match=r"Unknown unit 'gigs' in max shard size '2 gigs': use B, KB"):
         export_checkpoint(ckpt, tmp_path / "out", max_shard_size="2 gigs")
     with pytest.raises(ExportError, match=r"no key starts with the prefix 'model.' to strip; the keys begin like: "
                                           r"position_scale, seen_batches, embed.weight"):

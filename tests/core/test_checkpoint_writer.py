@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from lightspeed.core.checkpoint.errors import ExportError
 from lightspeed.core.checkpoint.plan import OutputTensor, select_keys
-from lightspeed.core.checkpoint.safetensors_writer import parse_size, plan_shards, write_shards
+from lightspeed.core.checkpoint.safetensors_writer import parse_shard_size, plan_shards, write_shards
 from lightspeed.core.checkpoint.torch_zip import FileRegion, OpaqueObject, RegionReader, load_lazy
 
 
@@ -44,15 +44,19 @@ def as_outputs(tensors: dict[str, torch.Tensor], produced: list[str] | None = No
     ("2GB", 2 * 10**9), ("500MB", 500 * 10**6), ("1GiB", 2**30), ("4kb", 4000), ("1.5GB", 1_500_000_000),
     (1234, 1234), (None, None),
 ])
-def test_parse_size(text, expected):
-    assert parse_size(text) == expected
+def test_parse_shard_size(text, expected):
+    assert parse_shard_size(text) == expected
 
 
-def test_parse_size_errors():
-    with pytest.raises(ExportError, match=r"cannot read the shard size '2 apples'; write it like 2GB, 500MB or 1GiB"):
-        parse_size("2 apples")
+def test_parse_shard_size_errors():
+    with pytest.raises(ExportError, match=r"Unknown unit 'apples' in max shard size '2 apples': use B, KB"):
+        parse_shard_size("2 apples")
+    with pytest.raises(ExportError, match=r"Cannot read max shard size 'lots': write a number with a unit"):
+        parse_shard_size("lots")
     with pytest.raises(ExportError, match=r"max shard size must be positive, got 0"):
-        parse_size(0)
+        parse_shard_size(0)
+    with pytest.raises(ExportError, match=r"max shard size '16' has no unit: write e.g. '16GB' .* or '16GiB'"):
+        parse_shard_size("16")
 
 
 def test_single_file_is_valid_safetensors(tmp_path):
@@ -151,3 +155,31 @@ def test_lazy_reader_matches_torch_load_and_runs_no_code(tmp_path):
             assert isinstance(region, FileRegion)
             assert torch.equal(reader.read(region), obj[key].detach()), key
         assert torch.equal(reader.read(lazy["flat"][0].slice(4, 6)), flat[4:10])
+
+
+def test_live_export_reports_non_tensor_entries(tmp_path):
+    """export_engine lists state-dict entries it cannot write (extra state) in ``skipped``, as the file exporter
+    does, and drops Lightning's old ``_forward_module.`` wrapper from every name (stage-0 engine, one process)."""
+    from types import SimpleNamespace
+
+    from lightspeed.core.checkpoint.live import export_engine
+
+    class Noted(torch.nn.Linear):
+        def get_extra_state(self) -> dict:
+            return {"note": "not a tensor"}
+
+        def set_extra_state(self, state: dict) -> None:
+            pass
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self._forward_module = torch.nn.Sequential(Noted(3, 2))
+
+    module = Wrapper()
+    engine = SimpleNamespace(module=module, zero_optimization_stage=lambda: 0)
+    result = export_engine(engine, tmp_path / "out", max_shard_size=None)
+    assert result.skipped == ["0._extra_state"]
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(exported) == ["0.bias", "0.weight"]
+    assert torch.equal(exported["0.weight"], module._forward_module[0].weight.detach())

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightspeed.core.checkpoint.errors import ExportError
 from lightspeed.core.checkpoint.live import export_engine
 from lightspeed.core.checkpoint.plan import resolve_dtype
-from lightspeed.core.checkpoint.safetensors_writer import parse_size
+from lightspeed.core.checkpoint.safetensors_writer import parse_shard_size
 from lightspeed.core.checkpoint.staging import check_output_dir
 
 
@@ -57,7 +57,7 @@ class ZeroExport(Callback):
         self.dtype = dtype
         self.max_shard_size = max_shard_size
         resolve_dtype(dtype)  # fail at construction on a typo, not after training
-        parse_size(max_shard_size)
+        parse_shard_size(max_shard_size)
         self.exclude_frozen = exclude_frozen
         self.strip_prefix = strip_prefix
         self.on_checkpoint = on_checkpoint
@@ -75,8 +75,17 @@ class ZeroExport(Callback):
                 f"the trainer uses {type(trainer.strategy).__name__}. For other strategies save the state_dict "
                 "with safetensors directly"
             )
+        self._written = False  # a new fit must not replace an earlier fit's export unless overwrite=True
+        problem = None
         if trainer.is_global_zero:
-            check_output_dir(self.dirpath, self.overwrite)
+            try:
+                check_output_dir(self.dirpath, self.overwrite)
+            except ExportError as error:
+                problem = str(error)
+        # every rank raises rank 0's verdict (the other ranks would otherwise wait in deepspeed.initialize)
+        problem = trainer.strategy.broadcast(problem, src=0)
+        if problem:
+            raise ExportError(problem)
 
     def _export(self, trainer: pl.Trainer, reason: str) -> None:
         engine = trainer.strategy.deepspeed_engine

@@ -1,8 +1,8 @@
 """``lightspeed export CKPT OUT``: turn a DeepSpeed ZeRO checkpoint or a single-file Lightning checkpoint into
 consolidated safetensors.
 
-Exit codes: 0 written, 2 user error (bad checkpoint, output directory in the way, bad option) with one message on
-stderr and the output directory untouched.
+Exit codes (mapped by ``lightspeed.cli.main``): 0 written, 2 user error (bad checkpoint, output directory in the
+way, bad option) with one message on stderr and the output directory untouched, 130 interrupted (also untouched).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any
 
-EXIT_OK, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 2, 130
+from lightspeed.cli.main import EXIT_OK
 
 DESCRIPTION = """\
 Export a DeepSpeed ZeRO checkpoint (stages 0-3, CPU or NVMe offload, any world size) to safetensors in the
@@ -67,23 +67,16 @@ def _progress_bar(enabled: bool):
 
 def run(args: argparse.Namespace) -> int:
     """Run the export; returns the exit code."""
-    from lightspeed.core.checkpoint.errors import CheckpointError, ExportError
     from lightspeed.export import export_checkpoint
 
-    shard = None if str(args.max_shard_size).lower() in ("none", "0") else args.max_shard_size
+    shard = None if str(args.max_shard_size).lower() == "none" else args.max_shard_size
     progress, bar = _progress_bar(not args.quiet and sys.stderr.isatty())
-    try:
+    try:  # CheckpointError / ExportError / Ctrl-C reach lightspeed.cli.main, which prints one line and exits 2 / 130
         result = export_checkpoint(
             args.checkpoint, args.output, dtype=args.dtype, max_shard_size=shard, tag=args.tag,
             exclude_frozen=args.exclude_frozen, strip_prefix=args.strip_prefix, overwrite=args.overwrite,
             progress=progress,
         )
-    except (CheckpointError, ExportError) as error:
-        print(f"lightspeed export: error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print("lightspeed export: interrupted; the output directory was left untouched", file=sys.stderr)
-        return EXIT_INTERRUPTED
     finally:
         if bar is not None:
             bar.close()
@@ -93,14 +86,3 @@ def run(args: argparse.Namespace) -> int:
             f"to {result.output_dir}"
         )
     return EXIT_OK
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point: ``python -m lightspeed.cli.export_command CKPT OUT ...``."""
-    parser = argparse.ArgumentParser(prog="lightspeed")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    return run(parser.parse_args(["export", *(sys.argv[1:] if argv is None else argv)]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -107,9 +107,55 @@ def run(case: str, out: Path) -> None:
     trainer.fit(model, loader(kind))
     reference = live_reference(trainer.strategy.deepspeed_engine)
     reference["export_count"] = export.export_count
+    if case == FAILURE_CASE:
+        reference["failures"] = failure_outcomes(trainer, export, model, kind, root)
     if trainer.is_global_zero:
         torch.save(reference, root / "reference.pt")
     trainer.strategy.barrier()
+
+
+FAILURE_CASE = "zero3_offload"
+
+
+def _outcome(action) -> str:
+    try:
+        action()
+    except BaseException as error:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(error).__name__}: {error}"
+    return "ok"
+
+
+def failure_outcomes(trainer: L.Trainer, export: ZeroExport, model: LitLM, kind: str, root: Path) -> list:
+    """What every rank raises when rank 0 fails mid-export and when a second fit meets the first fit's export;
+    the all_gather after each proves that no rank was left waiting in a collective."""
+    import torch.distributed as dist
+
+    from lightspeed.core.checkpoint import safetensors_writer
+    from lightspeed.core.checkpoint.live import export_engine
+
+    rank = dist.get_rank()
+    original = safetensors_writer.write_file
+
+    def broken(path, tensors, metadata, progress):
+        tensors[0].produce()  # fail after the first collective, while the others wait for the next tensors
+        raise OSError("disk full")
+
+    if rank == 0:
+        safetensors_writer.write_file = broken
+    try:
+        failed_write = _outcome(lambda: export_engine(trainer.strategy.deepspeed_engine, root / "broken_export"))
+    finally:
+        safetensors_writer.write_file = original
+    second = L.Trainer(
+        strategy=CASES[FAILURE_CASE][0], accelerator="cpu", devices=2,
+        max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[export],
+    )
+    second_fit = _outcome(lambda: second.fit(LitLM(kind), loader(kind)))
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, {"failed_write": failed_write, "second_fit": second_fit,
+                                      "broken_export_exists": (root / "broken_export").exists()})
+    return outcomes
 
 
 def main() -> None:

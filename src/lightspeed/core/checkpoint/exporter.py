@@ -18,7 +18,7 @@ from lightspeed.core.checkpoint.plan import (
     safetensors_metadata,
     select_keys,
 )
-from lightspeed.core.checkpoint.safetensors_writer import Progress, parse_size, write_shards
+from lightspeed.core.checkpoint.safetensors_writer import Progress, parse_shard_size, write_shards
 from lightspeed.core.checkpoint.staging import check_output_dir, staged_output
 from lightspeed.core.checkpoint.torch_zip import RegionReader
 from lightspeed.core.checkpoint.zero_reader import TensorSource, assemble, read_zero_checkpoint
@@ -55,7 +55,7 @@ def export_zero_checkpoint(
     succeeds; the output directory must be empty or missing unless ``overwrite``.
     """
     requested = resolve_dtype(dtype)
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_shard_size(max_shard_size)
     check_output_dir(output_dir, overwrite)
     checkpoint_info = read_zero_checkpoint(checkpoint, tag)
     kinds = {source.name: source.kind for source in checkpoint_info.tensors}
@@ -94,7 +94,7 @@ def export_lightning_file(
     :func:`export_zero_checkpoint`. ``exclude_frozen`` is refused: such a file does not record ``requires_grad``.
     """
     requested = resolve_dtype(dtype)
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_shard_size(max_shard_size)
     check_output_dir(output_dir, overwrite)
     checkpoint_info = read_lightning_file(checkpoint)
     if exclude_frozen:
@@ -114,17 +114,24 @@ def export_checkpoint_path(
     checkpoint: str | os.PathLike,
     output_dir: str | os.PathLike,
     *,
+    dtype: str | torch.dtype = "fp32",
+    max_shard_size: int | str | None = "5GB",
     tag: str | None = None,
-    **options,
+    exclude_frozen: bool = False,
+    strip_prefix: str | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
 ) -> ExportResult:
     """Export ``checkpoint`` whatever its layout: a file is a single-file Lightning checkpoint, a directory a
-    DeepSpeed checkpoint (its save directory or a tag folder). ``options`` are those of the two exporters."""
+    DeepSpeed checkpoint (its save directory or a tag folder). The options are those of the two exporters."""
     path = Path(checkpoint)
+    options = dict(dtype=dtype, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen,
+                   strip_prefix=strip_prefix, overwrite=overwrite, progress=progress)
     if path.is_file():
         if tag is not None:
             raise CheckpointError(
-                f"{path} is a single-file checkpoint, which has no tags; leave out tag (--tag), which only selects "
-                "a tag of a DeepSpeed checkpoint directory"
+                f"{path} is a single-file checkpoint, which has no tags; leave out tag=... (--tag on the command "
+                "line), which only selects a tag of a DeepSpeed checkpoint directory"
             )
         return export_lightning_file(path, output_dir, **options)
     return export_zero_checkpoint(path, output_dir, tag=tag, **options)

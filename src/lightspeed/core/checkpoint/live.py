@@ -24,10 +24,10 @@ from lightspeed.core.checkpoint.plan import (
     resolve_dtype,
     safetensors_metadata,
     select_keys,
+    wrapper_unwrapper,
 )
-from lightspeed.core.checkpoint.safetensors_writer import drain, parse_size, write_shards
+from lightspeed.core.checkpoint.safetensors_writer import drain, parse_shard_size, write_shards
 from lightspeed.core.checkpoint.staging import check_output_dir, staged_output
-from lightspeed.core.checkpoint.zero_reader import WRAPPER_PREFIX
 
 
 def _distributed() -> bool:
@@ -57,14 +57,20 @@ def _master(param: torch.nn.Parameter) -> torch.Tensor:
     return full.detach().to("cpu").view(getattr(param, "ds_shape", param.shape))
 
 
-def _agree(error: str | None) -> None:
-    """Raise the same ExportError on every rank when rank 0 found a problem (so no rank waits in a collective)."""
+def _from_rank_zero(problem: str | None) -> str | None:
+    """Rank 0's ``problem`` on every rank (a collective: every rank must call it)."""
     if _distributed():
-        box = [error]
+        box = [problem]
         dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error:
-        raise ExportError(error)
+        problem = box[0]
+    return problem
+
+
+def _agree(problem: str | None) -> None:
+    """Raise the same ExportError on every rank when rank 0 found a problem (so no rank waits in a collective)."""
+    problem = _from_rank_zero(problem)
+    if problem:
+        raise ExportError(problem)
 
 
 def export_engine(
@@ -80,7 +86,7 @@ def export_engine(
 ) -> ExportResult | None:
     """Export the weights of the DeepSpeed ``engine`` (call on every rank). Rank 0 writes and gets the result."""
     requested = resolve_dtype(dtype)
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_shard_size(max_shard_size)
     rank = dist.get_rank() if _distributed() else 0
     problem = None
     if rank == 0:
@@ -98,8 +104,10 @@ def export_engine(
     aliases: dict[str, str] = {}
     tensors_by_name: dict[str, torch.Tensor] = {}
     keys: list[str] = []
+    skipped: list[str] = []  # non-tensor entries (extra state), reported like the checkpoint exporter does
     for name, value in entries.items():
         if not isinstance(value, torch.Tensor):
+            skipped.append(name)
             continue
         keys.append(name)
         if id(value) in owners:
@@ -111,13 +119,12 @@ def export_engine(
             kinds[name] = "param" if value.requires_grad else "frozen"
         else:
             kinds[name] = "buffer"
-    if keys and all(k.startswith(WRAPPER_PREFIX) for k in keys):
-        cut = len(WRAPPER_PREFIX)
-        rename = {k: k[cut:] for k in keys}
-        keys = [rename[k] for k in keys]
-        kinds = {rename[k]: v for k, v in kinds.items()}
-        aliases = {rename[a]: rename[t] for a, t in aliases.items()}
-        tensors_by_name = {rename[k]: v for k, v in tensors_by_name.items()}
+    unwrap = wrapper_unwrapper(keys)
+    keys = [unwrap(k) for k in keys]
+    kinds = {unwrap(k): v for k, v in kinds.items()}
+    aliases = {unwrap(a): unwrap(t) for a, t in aliases.items()}
+    tensors_by_name = {unwrap(k): v for k, v in tensors_by_name.items()}
+    skipped = [unwrap(k) for k in skipped]
     stored, exported_aliases = select_keys(
         keys, kinds, aliases, exclude_frozen=exclude_frozen, strip_prefix=strip_prefix
     )
@@ -143,9 +150,10 @@ def export_engine(
             "world_size": dist.get_world_size() if _distributed() else 1, **(source or {})}
     metadata = safetensors_metadata(exported_aliases, requested, info)
     if rank != 0:
-        drain(tensors, max_bytes)
+        drain(tensors)
         if _distributed():
             dist.barrier()
+        _agree(None)  # rank 0's outcome: raise too when it failed, instead of running on into the next collective
         return None
     produced = 0
 
@@ -159,14 +167,19 @@ def export_engine(
 
     for tensor in tensors:
         tensor.produce = counted(tensor.produce)
+    failure: BaseException | None = None
     try:
         with staged_output(output_dir, overwrite) as staging:
             files = write_shards(staging, tensors, max_bytes, metadata)
-    except BaseException:
-        # the other ranks are waiting in the collectives of the remaining tensors: take part, then fail
+    except BaseException as error:
+        # the other ranks are waiting in the collectives of the remaining tensors: take part, then fail everywhere
+        failure = error
         drain(tensors[produced:])
-        raise
-    finally:
-        if _distributed():
-            dist.barrier()
-    return ExportResult(Path(output_dir), files, len(tensors), sum(t.nbytes for t in tensors), exported_aliases)
+    if _distributed():
+        dist.barrier()
+    _from_rank_zero(None if failure is None else f"rank 0 could not write the export to {output_dir} ({type(failure).__name__}: {failure})")
+    if failure is not None:
+        raise failure
+    return ExportResult(
+        Path(output_dir), files, len(tensors), sum(t.nbytes for t in tensors), exported_aliases, skipped
+    )

@@ -73,12 +73,15 @@ def find_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> tuple
             return path / named, named
         raise CheckpointError(
             f"{latest} names the tag {named!r}, but {path / named} holds no '*_model_states.pt' file; "
-            f"available tags: {', '.join(tags) if tags else 'none'} (pass one with --tag)"
+            f"available tags: {', '.join(tags) if tags else 'none'}; pass one with tag=... (--tag on the command line)"
         )
     if len(tags) == 1:
         return path / tags[0], tags[0]
     if tags:
-        raise CheckpointError(f"{path} has no 'latest' file and several tags ({', '.join(tags)}); pass one with --tag")
+        raise CheckpointError(
+            f"{path} has no 'latest' file and several tags ({', '.join(tags)}); pass one with tag=... (--tag on the "
+            "command line)"
+        )
     raise CheckpointError(
         f"{path} is not a DeepSpeed checkpoint: it has neither a 'latest' file nor a tag directory holding "
         "'*_model_states.pt' files"

@@ -4,6 +4,7 @@ how tied weights are recorded. Shared by the checkpoint exporter and the live-en
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +17,7 @@ DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
+WRAPPER_PREFIX = "_forward_module."  # Lightning < 2.1 wrapped the LightningModule under this attribute
 TIED_METADATA_KEY = "lightspeed_tied"  # JSON {tied name: name of the stored tensor}
 EXPORT_METADATA_KEY = "lightspeed_export"  # JSON with dtype, source and version
 
@@ -29,6 +31,15 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         if name in DTYPES:
             return DTYPES[name]
     raise ExportError(f"unsupported export dtype {dtype!r}; choose fp32, bf16 or fp16")
+
+
+def wrapper_unwrapper(names: Iterable[str]) -> Callable[[str], str]:
+    """A renaming that drops Lightning's old ``_forward_module.`` wrapper prefix when every name in ``names`` carries
+    it (the module was saved wrapped), else the identity: exports use the LightningModule's own key names."""
+    names = list(names)
+    if names and all(name.startswith(WRAPPER_PREFIX) for name in names):
+        return lambda name: name.removeprefix(WRAPPER_PREFIX)
+    return lambda name: name
 
 
 def output_dtype(stored: torch.dtype, requested: torch.dtype) -> torch.dtype:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 from pathlib import Path
 from typing import Callable
@@ -19,6 +18,7 @@ import torch
 
 from lightspeed.core.checkpoint.errors import ExportError
 from lightspeed.core.checkpoint.plan import OutputTensor
+from lightspeed.core.sizes import parse_size
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -27,25 +27,15 @@ SAFETENSORS_DTYPES = {
 }
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 Progress = Callable[[int, int], None]  # (bytes written so far, total bytes)
 
 
-def parse_size(value: int | str | None) -> int | None:
-    """``2GB`` (10^9), ``500MiB`` (2^20) or a byte count -> bytes; None means one file however large."""
-    if value is None or isinstance(value, int) and not isinstance(value, bool):
-        if value is not None and value <= 0:
-            raise ExportError(f"max shard size must be positive, got {value}")
-        return value
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(value).upper())
-    if not match or match.group(2) not in _UNITS:
-        raise ExportError(f"cannot read the shard size {value!r}; write it like 2GB, 500MB or 1GiB")
-    size = int(float(match.group(1)) * _UNITS[match.group(2)])
-    if size <= 0:
-        raise ExportError(f"max shard size must be positive, got {value!r}")
-    return size
+def parse_shard_size(value: int | str | None) -> int | None:
+    """``"2GB"`` (10^9), ``"500MiB"`` (2^20) or an int of bytes -> bytes; None means one file however large."""
+    if value is None:
+        return None
+    return parse_size(value, "max shard size", ExportError)
 
 
 def plan_shards(tensors: list[OutputTensor], max_shard_bytes: int | None) -> list[list[OutputTensor]]:
@@ -144,8 +134,8 @@ def write_shards(
     return files + ([INDEX_FILE] if len(files) > 1 else [])
 
 
-def drain(tensors: list[OutputTensor], max_shard_bytes: int | None = None) -> None:
-    """Produce every tensor in the order :func:`write_shards` would, writing nothing (non-writing ranks)."""
-    for shard in plan_shards(tensors, max_shard_bytes):
-        for spec in shard:
-            spec.produce()
+def drain(tensors: list[OutputTensor]) -> None:
+    """Produce every tensor in the order :func:`write_shards` writes them, keeping nothing (non-writing ranks take
+    part in the collectives that assemble each tensor)."""
+    for spec in tensors:
+        spec.produce()

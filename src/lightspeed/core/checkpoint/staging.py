@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from lightspeed.core.atomic_dir import swap_into_place
 from lightspeed.core.checkpoint.errors import ExportError
 
 
@@ -37,14 +38,8 @@ def staged_output(output_dir: str | os.PathLike, overwrite: bool) -> Iterator[Pa
     staging.mkdir()
     try:
         yield staging
-        if out.exists():
-            check_output_dir(out, overwrite)  # it may have been filled while we were writing
-            previous = out.parent / f".{out.name}.lightspeed-replaced-{token}"
-            os.replace(out, previous)
-            os.replace(staging, out)
-            shutil.rmtree(previous, ignore_errors=True)
-        else:
-            os.replace(staging, out)
+        check_output_dir(out, overwrite)  # it may have been filled while we were writing
+        swap_into_place(staging, out)  # the old directory is renamed back if the new one cannot move in
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -222,9 +222,20 @@ class TorchZipFile:
             raise CheckpointError(f"{self.path}: not a torch.save archive (no single data.pkl record)")
         self._prefix = pickles[0][: -len("data.pkl")]
         byteorder_name = self._prefix + "byteorder"
-        if byteorder_name in names and self._zip.read(byteorder_name).decode() != sys.byteorder:
-            raise CheckpointError(f"{self.path}: written on a machine with a different byte order")
+        if byteorder_name in names:
+            try:
+                byteorder = self._zip.read(byteorder_name).decode(errors="replace")
+            except (zipfile.BadZipFile, OSError, EOFError) as error:
+                self._zip.close()
+                raise CheckpointError(
+                    f"{self.path} is truncated or corrupt ({error}); the save that wrote it was probably "
+                    "interrupted - use an earlier checkpoint"
+                ) from None
+            if byteorder != sys.byteorder:
+                self._zip.close()
+                raise CheckpointError(f"{self.path}: written on a machine with a different byte order")
         self._file_size = self.path.stat().st_size
+        self._handle: BinaryIO | None = None  # opened by the first record_offset, for all of them
 
     def load(self) -> Any:
         """The unpickled object with every tensor replaced by a :class:`FileRegion`."""
@@ -250,9 +261,10 @@ class TorchZipFile:
             raise CheckpointError(f"{self.path}: storage record {name!r} is missing; the file is corrupt") from None
         if info.compress_type != zipfile.ZIP_STORED:
             raise CheckpointError(f"{self.path}: storage {name!r} is compressed; torch.save never does that")
-        with open(self.path, "rb") as handle:
-            handle.seek(info.header_offset)
-            header = handle.read(_LOCAL_HEADER.size)
+        if self._handle is None:
+            self._handle = open(self.path, "rb")
+        self._handle.seek(info.header_offset)
+        header = self._handle.read(_LOCAL_HEADER.size)
         if len(header) != _LOCAL_HEADER.size or header[:4] != _LOCAL_HEADER_MAGIC:
             raise CheckpointError(f"{self.path}: bad zip header for {name!r}; the file is corrupt")
         fields = _LOCAL_HEADER.unpack(header)
@@ -262,6 +274,9 @@ class TorchZipFile:
         return offset
 
     def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
         self._zip.close()
 
 

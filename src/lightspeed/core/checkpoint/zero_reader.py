@@ -35,9 +35,8 @@ import torch
 
 from lightspeed.core.checkpoint.errors import CheckpointError
 from lightspeed.core.checkpoint.locate import CheckpointFiles, locate
+from lightspeed.core.checkpoint.plan import wrapper_unwrapper
 from lightspeed.core.checkpoint.torch_zip import FileRegion, RegionReader, as_int, load_lazy
-
-WRAPPER_PREFIX = "_forward_module."  # Lightning < 2.1 wrapped the LightningModule under this attribute
 
 
 @dataclass
@@ -217,21 +216,25 @@ class _Reader:
         return states
 
     # ---------------------------------------------------------------- trainable parameters
-    def partitioned_params(self, states: list[dict[str, Any]], shapes: list[dict[str, Any]]) -> dict[str, TensorSource]:
-        """Stage 1/2 (and bf16 stage 0): rank partitions of each group's flat buffer, parameters back to back."""
-        world_size = len(states)
-        key = "single_partition_of_fp32_groups"
+    def _flat_groups(self, states: list[dict[str, Any]], key: str, expected: int, unit: str) -> list[list[FileRegion]]:
+        """Every rank's list of flat fp32 partitions under ``key``, checked to hold ``expected`` groups."""
         per_rank = []
         for rank, state in enumerate(states):
             groups = state.get(key)
             if not isinstance(groups, (list, tuple)) or not all(isinstance(g, FileRegion) for g in groups):
                 raise CheckpointError(f"{self.files.optim_files[rank]}: no fp32 partitions ({key!r})")
-            if len(groups) != len(shapes):
+            if len(groups) != expected:
                 raise CheckpointError(
-                    f"{self.files.optim_files[rank]} has {len(groups)} parameter groups, the model states "
-                    f"{len(shapes)}: files from different runs are mixed in {self.files.tag_dir}"
+                    f"{self.files.optim_files[rank]} has {len(groups)} {unit}, the model states {expected}: "
+                    f"files from different runs are mixed in {self.files.tag_dir}"
                 )
-            per_rank.append(groups)
+            per_rank.append(list(groups))
+        return per_rank
+
+    def partitioned_params(self, states: list[dict[str, Any]], shapes: list[dict[str, Any]]) -> dict[str, TensorSource]:
+        """Stage 1/2 (and bf16 stage 0): rank partitions of each group's flat buffer, parameters back to back."""
+        world_size = len(states)
+        per_rank = self._flat_groups(states, "single_partition_of_fp32_groups", len(shapes), "parameter groups")
         paddings = states[0].get("param_alignment_paddings")
         sources: dict[str, TensorSource] = {}
         align = 2 * world_size
@@ -271,17 +274,7 @@ class _Reader:
         """Stage 3: per sub-group flat partitions, every parameter split evenly over ranks (NVMe: swap files)."""
         world_size = len(states)
         sources: dict[str, TensorSource] = {}
-        per_rank = []
-        for rank, state in enumerate(states):
-            groups = state.get("fp32_flat_groups")
-            if not isinstance(groups, (list, tuple)) or not all(isinstance(g, FileRegion) for g in groups):
-                raise CheckpointError(f"{self.files.optim_files[rank]}: no fp32 partitions ('fp32_flat_groups')")
-            if len(groups) != len(shapes):
-                raise CheckpointError(
-                    f"{self.files.optim_files[rank]} has {len(groups)} sub-groups, the model states {len(shapes)}: "
-                    f"files from different runs are mixed in {self.files.tag_dir}"
-                )
-            per_rank.append(groups)
+        per_rank = self._flat_groups(states, "fp32_flat_groups", len(shapes), "sub-groups")
         for g, group_shapes in enumerate(shapes):
             partition_sizes = [math.ceil(math.prod(_shape(s)) / world_size) for s in group_shapes.values()]
             length = sum(partition_sizes)
@@ -435,12 +428,11 @@ def read_zero_checkpoint(checkpoint: str | os.PathLike, tag: str | None = None) 
         for alias, target in list(aliases.items()):
             if target not in {t.name for t in tensors}:
                 raise CheckpointError(f"{files.tag_dir}: {alias!r} is tied to {target!r}, which the checkpoint lacks")
-        names = [t.name for t in tensors] + list(aliases)
-        if names and all(n.startswith(WRAPPER_PREFIX) for n in names):
-            cut = len(WRAPPER_PREFIX)
-            for source in tensors:
-                source.name = source.name[cut:]
-            aliases = {a[cut:]: t[cut:] for a, t in aliases.items()}
+        unwrap = wrapper_unwrapper([t.name for t in tensors] + list(aliases))
+        for source in tensors:
+            source.name = unwrap(source.name)
+        aliases = {unwrap(a): unwrap(t) for a, t in aliases.items()}
+        skipped = [unwrap(name) for name in skipped]
         ds_version = first.get("ds_version")
         return ZeroCheckpoint(files, stage, world_size, tensors, aliases, str(ds_version) if ds_version else None, skipped)
     finally:
