@@ -39,6 +39,10 @@ class Module(L.LightningModule):
             return {"preds": preds, "target": y}
         if self.returns == "wrong_keys":
             return {"logits": preds, "y": y}
+        if self.returns == "per_token":  # two rows per sample: dim 0 is not the batch
+            return {"preds": preds.repeat(2), "target": y}
+        if self.returns == "scalar":
+            return {"preds": preds, "target": y.sum()}
         return None
 
     test_step = validation_step
@@ -152,6 +156,15 @@ def test_missing_output_key_is_a_clear_error():
         trainer(epoch).validate(Module("wrong_keys"), dataloaders=DataLoader(MapData(4), batch_size=2), verbose=False)
 
 
+def test_outputs_that_are_not_one_row_per_sample_are_a_clear_error():
+    callback = GatherForMetrics({"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES)})
+    with pytest.raises(StepOutputError, match=r"^GatherForMetrics: validation_step returned 'preds' with 4 rows on dim 0, but "
+                                              r"the batch has 2 samples\. Return one row per sample \(dim 0 = the batch"):
+        trainer(callback).validate(Module("per_token"), dataloaders=DataLoader(MapData(4), batch_size=2), verbose=False)
+    with pytest.raises(StepOutputError, match=r"returned 'target' with a 0-d tensor, but the batch has 2 samples"):
+        trainer(callback).validate(Module("scalar"), dataloaders=DataLoader(MapData(4), batch_size=2), verbose=False)
+
+
 def test_no_metrics_only_tracks_for_hand_written_gathers():
     callback = GatherForMetrics()
     module = Module("none")
@@ -165,7 +178,7 @@ def test_constructor_rejects_non_metrics():
         GatherForMetrics(torchmetrics.classification.MulticlassAccuracy(3))
     with pytest.raises(TypeError, match=r"metric 'acc' is a int; pass a torchmetrics Metric or MetricCollection, or a callable"):
         GatherForMetrics({"acc": 3})
-    with pytest.raises(ValueError, match=r"GatherForMetrics\(gather_every='step'\): use 'batch' or 'epoch'"):
+    with pytest.raises(ValueError, match=r"GatherForMetrics\(gather_every='step'\): use 'auto', 'batch', 'epoch' or a number of batches >= 1"):
         GatherForMetrics(gather_every="step")
 
 

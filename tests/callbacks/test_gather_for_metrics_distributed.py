@@ -6,7 +6,9 @@ with __len__ (padded round-robin shards) and one without (unpadded, ragged). The
 single-process metrics computed here, exactly; the torchmetrics ``sync_dist`` values logged in the same run must
 show the duplicates; and hand-written gathers inside the LightningModule must return exactly the real samples.
 Lightning's ``sync_dist=True`` hint must be silenced for the callback's values only, and a step that returns the
-wrong keys on one rank must raise the same error on every rank (in either ``gather_every`` mode) instead of hanging.
+wrong keys on one rank must raise the same error on every rank (in every ``gather_every`` mode) instead of hanging.
+Whatever the gather window (one batch, two, sized automatically, the whole epoch), the metrics must be updated once
+per global batch with that batch's real samples.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "scripts"))
 sys.path.insert(0, str(SCRIPTS))
 from gather_data import NUM_CLASSES, LengthIterable, ShardedIterable, reference  # noqa: E402
-from gather_lightning import TEST, VAL  # noqa: E402
+from gather_lightning import MODES, TEST, VAL  # noqa: E402
 
 # (strategy, ranks); LIGHTSPEED_GATHER_TEST_RUNS="zero1:2,zero2_offload:3" runs others (each launch ~20-60 s here)
 RUNS = [
@@ -62,6 +64,18 @@ def evaluated(kind: str, n: int, world: int) -> list[int] | None:
     return list(range(n))
 
 
+def update_sizes(n: int, batch_size: int, world: int) -> float:
+    """Sum over global batches of (real samples in the batch)^2: what UpdateSizes logs with one update per batch.
+
+    Every layout here gives rank r ``len(range(r, n, world))`` real samples first (a sampler or a padded shard then
+    pads them to ``ceil(n / world)``), so step s holds ``min(batch_size, real - s * batch_size)`` real ones on rank r.
+    """
+    real = [len(range(r, n, world)) for r in range(world)]
+    steps = -(-(-(-n // world)) // batch_size)
+    sizes = [sum(min(batch_size, max(0, own - step * batch_size)) for own in real) for step in range(steps)]
+    return float(sum(size**2 for size in sizes))
+
+
 def shard_orders(n: int, batch_size: int, world: int) -> tuple[list[int], list[int]]:
     """Unpadded shards: per-batch gathers come back step by step, rank by rank; one epoch-end gather rank by rank."""
     shards = [[int(s[2]) for s in ShardedIterable(n, r, world, padded=False)] for r in range(world)]
@@ -76,11 +90,14 @@ def test_logged_validation_metrics_equal_single_process(run, phase, position):
     world, ranks = run
     kind, n, _, shuffle = list(VAL.values())[position]
     expected = metrics_on(list(range(n)), n)
+    sizes = update_sizes(n, list(VAL.values())[position][2], world)
     for result in ranks:
         logged = result["logged"][phase]
         for name in ("acc", "f1", "count"):
             assert logged[f"val/{name}/dataloader_idx_{position}"].item() == expected[name], name
-        assert logged[f"val_epoch/acc/dataloader_idx_{position}"].item() == expected["acc"], "gather_every='epoch'"
+        for prefix, mode in MODES.items():
+            assert logged[f"{prefix}/acc/dataloader_idx_{position}"].item() == expected["acc"], f"gather_every={mode!r}"
+            assert logged[f"{prefix}/sizes/dataloader_idx_{position}"].item() == sizes, f"gather_every={mode!r}"
         assert result["results"]["validate"][f"val/acc/dataloader_idx_{position}"].item() == logged[f"val/acc/dataloader_idx_{position}"].item()
         # torchmetrics' own sync in the same run counted every evaluated sample, duplicates included
         duplicated = evaluated(kind, n, world)
@@ -105,7 +122,9 @@ def test_logged_test_metrics_equal_single_process(run):
     for result in ranks:
         logged = result["logged"]["test"]
         assert {name: logged[f"test/{name}"].item() for name in ("acc", "f1", "count")} == expected
-        assert logged["test_epoch/acc"].item() == expected["acc"]
+        for prefix in MODES:
+            assert logged[f"{prefix.replace('val', 'test')}/acc"].item() == expected["acc"], prefix
+            assert logged[f"{prefix.replace('val', 'test')}/sizes"].item() == update_sizes(n, TEST[2], world), prefix
         assert logged["plain/count"].item() == len(duplicated) != n
         assert logged["plain/acc"].item() == metrics_on(duplicated, n)["acc"] != expected["acc"]
 
@@ -136,11 +155,11 @@ def test_sync_dist_hint_is_silenced_for_the_callbacks_values_only(run):
     _, ranks = run
     hints = ranks[0]["sync_dist_hints"]  # Lightning warns on rank 0 only
     assert any("self.log('val/own'" in hint for hint in hints), hints
-    ours = ("'val/acc", "'val/f1", "'val/count", "'val_epoch/", "'test/", "'test_epoch/")
+    ours = ("'val/acc", "'val/f1", "'val/count", "'val/sizes", "'val_", "'test/", "'test_")
     assert not [hint for hint in hints if any(name in hint for name in ours)]
 
 
-@pytest.mark.parametrize("mode", ["batch", "epoch"])
+@pytest.mark.parametrize("mode", list(dict.fromkeys(MODES.values())))
 def test_wrong_step_output_on_one_rank_raises_the_same_error_on_every_rank(run, mode):
     _, ranks = run
     expected = (
@@ -150,3 +169,14 @@ def test_wrong_step_output_on_one_rank_raises_the_same_error_on_every_rank(run, 
         "GatherForMetrics(..., preds_key=..., target_key=...)."
     )
     assert [result["wrong_keys"][mode] for result in ranks] == [expected] * len(ranks)
+
+
+def test_outputs_ragged_across_ranks_name_the_window_and_the_fix_on_every_rank(run):
+    """Rank 1's predictions are wider, so it sizes its windows smaller and gathers at another batch than the others."""
+    _, ranks = run
+    for rank, result in enumerate(ranks):
+        message = result["ragged"]
+        assert message is not None and message.startswith("CallSiteMismatch: gather_for_metrics: the ranks are not in the same call"), message
+        window = 1 if rank == 1 else 2
+        assert f"GatherForMetrics gathers its outputs after the same batches on every rank (here a window of {window} batches)" in message
+        assert message.endswith("pad them in the step with lightspeed.pad_across_processes(tensor, dim=1, pad_index=...).")

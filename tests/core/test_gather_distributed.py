@@ -80,6 +80,17 @@ def test_gathered_samples_are_exactly_the_real_ones_in_dataset_order(run, name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+def test_windows_of_two_batches_split_back_into_the_per_batch_gathers(run, name):
+    """One gather of two consecutive batches (first_sample=...) returns, batch by batch, what per-batch gathers do."""
+    world, ranks = run
+    for result in ranks:
+        case = result["cases"][name]
+        per_batch = [batch for batch in case["per_batch_idx_lists"] if batch]  # a batch of only padding has no rows
+        assert [idx for idx, _ in case["windowed"]] == per_batch
+        assert [names for _, names in case["windowed"]] == [[f"s{i}" for i in batch] for batch in per_batch]
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_metric_equals_single_process_metric_and_plain_sync_counts_duplicates(run, name):
     world, ranks = run
     exp = expected(name, world)
@@ -179,3 +190,14 @@ def test_many_leaves_and_large_tensors_take_the_extra_collectives(run):
         assert large.shape == (world * (world + 1) // 2, 70_000)
         assert large[:, 0].tolist() == [float(r) for r in range(world) for _ in range(r + 1)]
         assert bool((large == large[:, :1]).all())
+
+
+def test_integers_narrowed_for_the_wire_come_back_exactly(run):
+    world, ranks = run
+    per_rank = [[0, 200], [-5, 100], [2**40, -(2**33)]]
+    expected = [v for r in range(world) for v in per_rank[r % 3]]
+    for result in ranks:
+        wire = result["extras"]["wire"]
+        assert wire["int64"].dtype == torch.int64 and wire["int64"].tolist() == expected
+        assert wire["int32"].dtype == torch.int32
+        assert wire["int32"].tolist() == [max(-(2**31), min(2**31 - 1, v)) for v in expected]

@@ -33,11 +33,13 @@ EVERY_RANK = {
                      r"Pad it first: lightspeed\.pad_across_processes\(tensor, dim=1",
     "not_batch_dim": r"rank 0: data has 6 samples on dim 0, but the current batch of dataloader 0 has 3 .* "
                      r"Move the sample dimension first",
+    "first_sample_out_of_range": r"rank 1: data has 3 samples starting at first_sample=2, but this rank has produced 3 "
+                                 r"samples of dataloader 0 so far; first_sample must be >= 0",
     "pad_ndim": r"pad_across_processes: rank 2 passed different data than rank 0 .*3 dims.*2 dims",
     "pad_dim_out_of_range": r"pad_across_processes: rank 0: dim=2 is out of range for data with shape \[2, 2\]",
-    "uneven_batches": r"not in the same call \(rank 0 is in gather_for_metrics in batch 2 of dataloader 0; rank 1 is "
+    "uneven_batches": r"^CallSiteMismatch: gather_for_metrics: the ranks are not in the same call \(rank 0 is in gather_for_metrics in batch 2 of dataloader 0; rank 1 is "
                       r"in the end of dataloader 0 after 1 batches; rank 2 is in the end of dataloader 0 after 1 batches\)",
-    "uneven_pad": r"GatherError: (pad_across_processes|gather_for_metrics): the ranks are not in the same call \(rank 0 is in pad_across_processes; "
+    "uneven_pad": r"CallSiteMismatch: (pad_across_processes|gather_for_metrics): the ranks are not in the same call \(rank 0 is in pad_across_processes; "
                   r"rank 1 is in the end of dataloader 0 after 1 batches; rank 2 is in the end of dataloader 0",
     "fail_gather": r"^NoPredictions: gather_for_metrics: rank 2: validation_step returned None; return the predictions\.$",
     "fail_gather_everywhere": r"^NoPredictions: gather_for_metrics: ranks 0, 1, 2: no predictions\.$",

@@ -6,7 +6,7 @@ sampler and dataset at the first batch of each epoch) and makes it the current s
 ``on_validation_epoch_end``) drops the sampler's duplicates without being told anything.
 
 With metrics, it also reads ``outputs[preds_key]`` and ``outputs[target_key]`` from what the step returns,
-gathers them (de-duplicated) once per batch, updates its own copies of the metrics with the global data, and at
+gathers them (de-duplicated), updates its own copies of the metrics once per batch with the global data, and at
 epoch end logs ``val/<name>`` / ``test/<name>`` (plus ``/dataloader_idx_<i>`` when there are several dataloaders)
 with ``sync_dist=False``: every rank already holds the global value. torchmetrics' own cross-rank sync is turned
 off on these copies, since it would count every sample ``world_size`` times. Lightning's hint to log such values
@@ -17,8 +17,16 @@ at the start of every Trainer run, so the object passed in is never updated, and
 callable ``fn(preds, target) -> value`` (called once per epoch on everything gathered). Under a single device the
 gathers are no-ops and the callback simply computes the metrics.
 
-If a step's output lacks ``preds_key`` / ``target_key`` on some rank, every rank raises the same
-:class:`StepOutputError` (a :class:`~lightspeed.core.gather_sync.GatherError`) instead of the others waiting for it.
+Outputs are gathered in windows of consecutive batches (:mod:`lightspeed.core.gather_window`): one collective for
+many small batches, since each collective has a fixed latency; the window is split back into batches afterwards,
+so the metrics see exactly what a gather per batch would give them. ``gather_every`` sets the window: ``"auto"``
+(default: as many batches as keep about ``buffer_limit`` bytes of outputs per rank, from the first batch's output
+shapes times the loader's batch size, so every rank decides alike without a collective), a number of batches,
+``"batch"`` (1) or ``"epoch"`` (everything, once at epoch end).
+
+If a step's output lacks ``preds_key`` / ``target_key`` on some rank, or holds other than one row per sample, every
+rank raises the same :class:`StepOutputError` (a :class:`~lightspeed.core.gather_sync.GatherError`) at that window's
+gather instead of the others waiting for it.
 """
 
 from __future__ import annotations
@@ -34,9 +42,11 @@ from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torchmetrics import Metric, MetricCollection
 
-from lightspeed.core.gather import end_of_dataloader, fail_gather, gather_for_metrics
+from lightspeed.core.gather import end_of_dataloader
 from lightspeed.core.gather_state import GatherState, current_state, infer_batch_size, set_current_state
-from lightspeed.core.gather_sync import GatherError, is_distributed
+from lightspeed.core.gather_sync import CallSiteMismatch, GatherError, is_distributed
+from lightspeed.core.gather_window import BatchWindow, batches_for_budget, batches_per_window, row_bytes
+from lightspeed.core.sizes import parse_size
 
 MetricLike = Metric | MetricCollection | Callable[[Any, Any], Any]
 #: torchmetrics objects: deep-copied, moved to the module's device, updated per batch, computed and reset per epoch
@@ -57,10 +67,12 @@ class GatherForMetrics(Callback):
             hand-written ``gather_for_metrics`` calls.
         preds_key / target_key: keys of the dict that ``validation_step`` / ``test_step`` returns.
         val_prefix / test_prefix: prefixes of the logged names.
-        gather_every: ``"batch"`` (default) gathers and updates the metrics once per batch; ``"epoch"`` keeps this
-            rank's outputs and gathers them once at epoch end (one collective per dataloader instead of one per
-            batch, for slow interconnects or oversubscribed CPUs; needs the memory for the epoch's outputs and the
-            same trailing shape in every batch).
+        gather_every: how many consecutive batches one gather carries: ``"auto"`` (default) sizes the window so
+            that a rank keeps about ``buffer_limit`` bytes of outputs; an int N gathers every N batches;
+            ``"batch"`` every batch (the metrics are updated right after each batch); ``"epoch"`` once at epoch
+            end (memory for the epoch's outputs). A batch whose outputs change dtype or trailing shape closes the
+            window before it. Whatever the window, the metrics are updated once per batch with the same data.
+        buffer_limit: bytes of outputs per rank that ``"auto"`` aims at (an int or a size such as ``"4MiB"``).
     """
 
     def __init__(
@@ -70,10 +82,15 @@ class GatherForMetrics(Callback):
         target_key: str = "target",
         val_prefix: str = "val/",
         test_prefix: str = "test/",
-        gather_every: Literal["batch", "epoch"] = "batch",
+        gather_every: int | Literal["auto", "batch", "epoch"] = "auto",
+        buffer_limit: int | str = "4MiB",
     ) -> None:
-        if gather_every not in ("batch", "epoch"):
-            raise ValueError(f"GatherForMetrics(gather_every={gather_every!r}): use 'batch' or 'epoch'.")
+        valid_count = isinstance(gather_every, int) and not isinstance(gather_every, bool) and gather_every >= 1
+        if not valid_count and gather_every not in ("auto", "batch", "epoch"):
+            raise ValueError(
+                f"GatherForMetrics(gather_every={gather_every!r}): use 'auto', 'batch', 'epoch' or a number of "
+                "batches >= 1."
+            )
         if metrics is not None and not isinstance(metrics, Mapping):
             raise TypeError(
                 f"GatherForMetrics expects a dict of metrics such as {{'acc': MulticlassAccuracy(10)}}, got "
@@ -88,21 +105,24 @@ class GatherForMetrics(Callback):
         self.metrics: dict[str, MetricLike] = dict(metrics or {})
         self.preds_key, self.target_key = preds_key, target_key
         self.gather_every = gather_every
+        self.buffer_limit = parse_size(buffer_limit, "GatherForMetrics(buffer_limit=...)")
         self.prefixes = {"validate": val_prefix, "test": test_prefix}
         self.states: dict[str, dict[int, GatherState]] = {}
         self.results: dict[str, dict[str, Any]] = {}  # stage -> logged name -> value, from the last epoch
-        # per Trainer run (re-created in setup): metric copies on the module's device, outputs kept for the epoch
-        # end, the first bad step output of this rank per dataloader (gather_every="epoch" reports it there)
+        # per Trainer run (re-created in setup), keyed by (stage, dataloader_idx): metric copies on the module's
+        # device, gathered outputs kept for plain-callable metrics, the open window and the next window's size
         self._copies: dict[tuple[str, int], dict[str, MetricLike]] = {}
         self._collected: dict[tuple[str, int], dict[str, list[Any]]] = {}
-        self._problems: dict[tuple[str, int], str] = {}
+        self._windows: dict[tuple[str, int], BatchWindow] = {}
+        self._window_sizes: dict[tuple[str, int], int] = {}
+        self._loader_batch_sizes: dict[tuple[str, int], int | None] = {}
         self._silenced: dict[str, Any] = {}  # logged name -> the warnings filter this run installed for it
 
     # hooks ------------------------------------------------------------------------------------------------------
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # a new run may be on another device and must not see the previous run's samples
-        self._copies, self._collected, self._problems = {}, {}, {}
+        self._copies, self._collected, self._windows, self._window_sizes, self._loader_batch_sizes = {}, {}, {}, {}, {}
         for run_stage in _RUN_STAGES.get(stage, ()):
             self.states.pop(run_stage, None)
             self.results.pop(run_stage, None)
@@ -153,8 +173,9 @@ class GatherForMetrics(Callback):
 
     def _epoch_start(self, stage: str) -> None:
         self.states[stage] = {}
-        for key in [k for k in self._collected if k[0] == stage]:
-            del self._collected[key]
+        for per_key in (self._collected, self._windows):
+            for key in [k for k in per_key if k[0] == stage]:
+                del per_key[key]
         for key, copies in self._copies.items():
             if key[0] == stage:
                 for metric in copies.values():
@@ -165,8 +186,11 @@ class GatherForMetrics(Callback):
         states = self.states.setdefault(stage, {})
         state = states.get(dataloader_idx)
         if state is None:
-            state = GatherState.from_dataloader(self._dataloader(trainer, stage, dataloader_idx), name=f"{stage} dataloader {dataloader_idx}")
+            loader = self._dataloader(trainer, stage, dataloader_idx)
+            state = GatherState.from_dataloader(loader, name=f"{stage} dataloader {dataloader_idx}")
             states[dataloader_idx] = state
+            batch_size = getattr(loader, "batch_size", None)
+            self._loader_batch_sizes[(stage, dataloader_idx)] = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
         state.begin_batch(infer_batch_size(batch))
         set_current_state(state)
 
@@ -174,22 +198,61 @@ class GatherForMetrics(Callback):
         if not self.metrics:
             return
         key = (stage, dataloader_idx)
-        problem = self._output_problem(stage, outputs)
-        if problem is not None and not is_distributed():
-            raise StepOutputError(problem)
-        if self.gather_every == "epoch":
-            if problem is not None:  # the other ranks gather at epoch end: fail together there
-                self._problems.setdefault(key, problem)
-            elif key not in self._problems:
-                local = self._collected.setdefault(key, {"preds": [], "target": []})
-                local["preds"].append(_detached(outputs[self.preds_key]))
-                local["target"].append(_detached(outputs[self.target_key]))
-            return
         state = self.states[stage][dataloader_idx]
-        if problem is not None:  # the other ranks are entering this batch's gather: raise there, on every rank
-            fail_gather(StepOutputError(problem), state)
-        gathered = gather_for_metrics({"preds": outputs[self.preds_key], "target": outputs[self.target_key]}, state=state)
-        self._update(pl_module, stage, dataloader_idx, gathered["preds"], gathered["target"])
+        problem = self._output_problem(stage, outputs, state)
+        if not is_distributed():  # nothing to gather: the outputs are the global batch
+            if problem is not None:
+                raise StepOutputError(problem)
+            self._update(pl_module, stage, dataloader_idx, _detached(outputs[self.preds_key]), _detached(outputs[self.target_key]))
+            return
+        kept = None if problem is not None else {"preds": _detached(outputs[self.preds_key]), "target": _detached(outputs[self.target_key])}
+        window = self._windows.get(key)
+        if window is not None and kept is not None and not window.fits(kept):
+            self._gather_window(pl_module, stage, dataloader_idx)
+            window = None
+        if window is None:
+            window = self._windows[key] = BatchWindow(first_sample=state.batch_start)
+        batch_size = self._loader_batch_sizes.get(key)
+        if self.gather_every == "auto" and key not in self._window_sizes and kept is not None and batch_size:
+            # sized before any gather, from what every rank shares: the outputs' row size and the loader's batch size
+            self._window_sizes[key] = batches_for_budget(self.buffer_limit, row_bytes(kept) * batch_size)
+        if kept is None:  # the other ranks gather this window with its batch: every rank raises there
+            window.fail(problem)
+        else:
+            window.add(kept)
+        if window.batches >= self._window_size(key):
+            self._gather_window(pl_module, stage, dataloader_idx)
+
+    def _window_size(self, key: tuple[str, int]) -> float:
+        """Batches the open window of ``key`` holds before it is gathered (the same on every rank)."""
+        if self.gather_every == "batch":
+            return 1
+        if self.gather_every == "epoch":
+            return float("inf")
+        if self.gather_every == "auto":
+            return self._window_sizes.get(key, 1)  # without a loader batch size, a first window of one batch measures
+        return self.gather_every
+
+    def _gather_window(self, pl_module: LightningModule, stage: str, dataloader_idx: int) -> None:
+        """Gather the open window of one dataloader (collective) and update the metrics once per batch in it."""
+        key = (stage, dataloader_idx)
+        window = self._windows.pop(key, None)
+        if window is None:
+            return
+        try:
+            batches = window.gather(self.states[stage][dataloader_idx], error_type=StepOutputError)
+        except CallSiteMismatch as err:
+            raise CallSiteMismatch(
+                f"{err} GatherForMetrics gathers its outputs after the same batches on every rank (here a window of "
+                f"{window.batches} batches), sized from the first batch's outputs and closed early when their shape "
+                "or dtype changes; predictions or targets whose shape beyond dim 0 differs between ranks make the "
+                "ranks gather at different batches: pad them in the step with "
+                "lightspeed.pad_across_processes(tensor, dim=1, pad_index=...)."
+            ) from None
+        for outputs in batches:
+            self._update(pl_module, stage, dataloader_idx, outputs["preds"], outputs["target"])
+        if self.gather_every == "auto":
+            self._window_sizes[key] = batches_per_window(self.buffer_limit, batches, torch.distributed.get_world_size(), window.batches)
 
     def _update(self, pl_module: LightningModule, stage: str, dataloader_idx: int, preds: Any, target: Any) -> None:
         """Feed globally gathered, de-duplicated predictions and targets to the metrics."""
@@ -198,7 +261,7 @@ class GatherForMetrics(Callback):
         if any(not isinstance(m, _STATEFUL) for m in copies.values()):
             collected["preds"].append(preds)
             collected["target"].append(target)
-        if _num_rows(preds) == 0:
+        if not _num_rows(preds):  # a batch without samples would only trip the metrics' input checks
             return
         for metric in copies.values():
             if isinstance(metric, _STATEFUL):
@@ -212,15 +275,8 @@ class GatherForMetrics(Callback):
             end_of_dataloader(states[idx], complete=complete)
         if not self.metrics:
             return
-        if self.gather_every == "epoch":
-            for idx in sorted(states):
-                if (stage, idx) in self._problems:
-                    fail_gather(StepOutputError(self._problems[(stage, idx)]), states[idx])
-                local = self._collected.pop((stage, idx), {"preds": [], "target": []})
-                gathered = gather_for_metrics(
-                    {"preds": _concat(local["preds"]), "target": _concat(local["target"])}, state=states[idx]
-                )
-                self._update(pl_module, stage, idx, gathered["preds"], gathered["target"])
+        for idx in sorted(states):
+            self._gather_window(pl_module, stage, idx)
         results: dict[str, Any] = {}
         several = len(self._dataloaders(trainer, stage)) > 1
         for idx in sorted(states):
@@ -264,12 +320,23 @@ class GatherForMetrics(Callback):
             raise RuntimeError(f"GatherForMetrics: the trainer reports no {stage} dataloader {dataloader_idx} (it has {len(loaders)}).")
         return loaders[dataloader_idx]
 
-    def _output_problem(self, stage: str, outputs: Any) -> str | None:
-        """Why ``outputs`` lacks the predictions or targets (and what to change), or None when it has both."""
+    def _output_problem(self, stage: str, outputs: Any, state: GatherState) -> str | None:
+        """Why ``outputs`` lacks the predictions or targets, or holds them for other than the batch's samples (and
+        what to change); None when both are there, one row per sample."""
+        step = "validation_step" if stage == "validate" else "test_step"
         missing = [k for k in (self.preds_key, self.target_key) if not isinstance(outputs, Mapping) or k not in outputs]
         if not missing:
+            for name in (self.preds_key, self.target_key):
+                value = outputs[name]
+                rows = _num_rows(value)
+                if rows != state.batch_size:
+                    described = f"{rows} rows on dim 0" if rows is not None else _kind_of(value)
+                    return (
+                        f"GatherForMetrics: {step} returned {name!r} with {described}, but the batch has "
+                        f"{state.batch_size} samples. Return one row per sample (dim 0 = the batch; e.g. "
+                        "preds.argmax(-1) of [batch, classes] logits), so that the sampler's padding can be dropped."
+                    )
             return None
-        step = "validation_step" if stage == "validate" else "test_step"
         returned = f"a dict with keys {sorted(map(str, outputs))}" if isinstance(outputs, Mapping) else repr(type(outputs).__name__)
         return (
             f"GatherForMetrics reads {self.preds_key!r} and {self.target_key!r} from what {step} returns, but it "
@@ -320,14 +387,21 @@ def _disable_sync(metric: Metric | MetricCollection) -> None:
             module._to_sync = False
 
 
+def _kind_of(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "a 0-d tensor"
+    return f"a {type(value).__name__}"
+
+
 def _detached(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
 
 
-def _num_rows(value: Any) -> int:
+def _num_rows(value: Any) -> int | None:
+    """Samples along dim 0 of a step output (None for a 0-d tensor or a non-sequence)."""
     if isinstance(value, torch.Tensor):
-        return int(value.shape[0]) if value.ndim else 1
-    return len(value)
+        return int(value.shape[0]) if value.ndim else None
+    return len(value) if isinstance(value, (list, tuple)) else None
 
 
 def _concat(parts: list[Any]) -> Any:

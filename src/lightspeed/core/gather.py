@@ -10,8 +10,8 @@ What comes back, per leaf:
 
 * tensor with dims: the real samples of all ranks concatenated on dim 0, in the sampler's global order (dataset
   order for a strided layout without shuffling; rank by rank for shards). Dims other than 0 must match across
-  ranks: use :func:`pad_across_processes` first for ragged ones. Both a gather per batch and one gather of
-  everything a rank produced in the epoch work.
+  ranks: use :func:`pad_across_processes` first for ragged ones. A gather per batch, one gather of everything a
+  rank produced in the epoch, and one gather of several consecutive batches (``first_sample=``) all work.
 * 0-d tensor: one value per rank, not a sample, so nothing is dropped: a tensor of shape ``[world_size]`` in rank
   order. A per-rank reduction that should exclude padding must mask it first (``GatherState.real_mask()``).
 * list/tuple of non-tensors (e.g. strings): per-sample objects, de-duplicated and ordered like tensors.
@@ -23,6 +23,7 @@ dropped without knowing the sampler. On a single process (or without a process g
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterable, Iterator, NoReturn, Sequence
 
@@ -34,14 +35,19 @@ from lightspeed.core.gather_state import (
 )
 from lightspeed.core.gather_sync import CallSite, GatherError, agree, comm_device, is_distributed
 from lightspeed.core.gather_tree import Leaf, flatten
+from lightspeed.core.gather_wire import narrowest_code, wire_dtype
 from lightspeed.core.padding import pad_across_processes
 
 
-def gather_for_metrics(data: Any, state: GatherState | None = None) -> Any:
+def gather_for_metrics(data: Any, state: GatherState | None = None, *, first_sample: int | None = None) -> Any:
     """All-gather ``data`` from every rank, dropping the samples a distributed sampler added as padding.
 
     Collective: every rank must call it, the same number of times, with the same structure and dtypes; a
     mismatch raises a :class:`~lightspeed.core.gather_sync.GatherError` on every rank naming the rank that differs.
+
+    ``first_sample`` is this rank's position, among the samples it has produced this epoch, of row 0 of ``data``:
+    give it to gather several consecutive batches at once (the ``GatherForMetrics`` callback does). Left out, row 0
+    is the current batch's first sample when the rows match the batch, else the epoch's first sample.
     """
     if not is_distributed():
         return data
@@ -65,8 +71,14 @@ def gather_for_metrics(data: Any, state: GatherState | None = None) -> Any:
             continue
         start, valid = 0, rows
         if state is not None:
-            located = state.start_for_rows(rows)
-            if located is None and state.layout == "strided":
+            located = state.start_for_rows(rows) if first_sample is None else _explicit_start(first_sample, rows, state)
+            if located is None and first_sample is not None:
+                error = error or (
+                    f"{leaf.path} has {rows} samples starting at first_sample={first_sample}, but this rank has "
+                    f"produced {state.seen} samples of {state.name} so far; first_sample must be >= 0 and the rows "
+                    "must end within the samples produced."
+                )
+            elif located is None and state.layout == "strided":
                 error = error or (
                     f"{leaf.path} has {rows} samples on dim 0, but the current batch of {state.name} has "
                     f"{state.batch_size} and this rank has produced {state.seen} in total; gather_for_metrics drops "
@@ -78,29 +90,35 @@ def gather_for_metrics(data: Any, state: GatherState | None = None) -> Any:
         starts.append(start)
         valids.append(valid)
 
-    # per sample leaf: real rows, first position, trailing dims (tensors); travels in the gather's header
+    # per sample leaf: real rows, first position, and for tensors the wire code and trailing dims; in the header
     sample_leaves = [leaf for leaf in leaves if leaf.rows is not None]
     local_info: list[int] = []
+    codes: list[int] = []  # per tensor sample leaf: the dtype its real rows travel as (gather_wire)
     for leaf, start, valid in zip(sample_leaves, starts, valids):
         local_info += [valid, start]
         if leaf.kind == "tensor":
-            local_info += list(leaf.value.shape[1:])
+            codes.append(narrowest_code(leaf.value[:valid]))
+            local_info += [codes[-1], *leaf.value.shape[1:]]
     # this rank's real rows of every tensor leaf (and its scalars), packed as bytes into the same collective
-    local_valid = iter(valids)
+    local_valid, local_codes = iter(valids), iter(codes)
     tensors: list[tuple[int, torch.Tensor]] = []
+    wire: list[torch.Tensor] = []
     for index, leaf in enumerate(leaves):
         if leaf.kind == "tensor":
-            tensors.append((index, leaf.value[: next(local_valid)]))
+            real = leaf.value[: next(local_valid)]
+            tensors.append((index, real))
+            wire.append(real.to(wire_dtype(next(local_codes), real.dtype)))
         elif leaf.kind == "objects":
             next(local_valid)
         elif leaf.kind == "scalar":
             tensors.append((index, leaf.value.reshape(1)))
+            wire.append(tensors[-1][1])
     site = (CallSite.GATHER, state.batches if state is not None else 0)
     site_text = f"gather_for_metrics in batch {site[1]} of {state.name}" if state is not None else "gather_for_metrics"
     accounting = [] if state is None else [f"accounting: {state.layout}, total={state.total_samples}, {state.name}"]
     infos, raw = agree(
         "gather_for_metrics", [leaf.describe() for leaf in leaves] + accounting, site, site_text, error, local_info,
-        data=_pack([t for _, t in tensors]),
+        data=_pack(wire),
     )
     per_leaf = _split_infos(sample_leaves, infos)
     _check_trailing_dims(sample_leaves, per_leaf)
@@ -109,31 +127,34 @@ def gather_for_metrics(data: Any, state: GatherState | None = None) -> Any:
 
     strided = state is not None and state.layout == "strided"
     results: dict[int, Any] = {}
-    shapes: dict[int, tuple[list[int], tuple[int, ...]]] = {}  # leaf index -> rows per rank, shape of a row
+    shapes: dict[int, tuple[list[int], tuple[int, ...], list[int]]] = {}  # leaf -> rows, row shape, wire code per rank
     orders: dict[int, torch.Tensor | None] = {}
     object_payload: list[Any] = []
     object_slots: list[tuple[int, str]] = []
     sample_index = 0
     for index, leaf in enumerate(leaves):
         if leaf.kind == "scalar":
-            shapes[index], orders[index] = ([1] * world, ()), None
+            shapes[index], orders[index] = ([1] * world, (), [0] * world), None
         elif leaf.kind == "object":
             object_payload.append(leaf.value)
             object_slots.append((index, "object"))
         else:
-            valid_all, start_all, dims_all = per_leaf[sample_index]
-            orders[index] = _order(valid_all, start_all, world) if strided else None
+            valid_all, start_all, codes_all, dims_all = per_leaf[sample_index]
+            orders[index] = _order(tuple(valid_all), tuple(start_all), world) if strided else None
             if leaf.kind == "tensor":
-                shapes[index] = (valid_all, tuple(dims_all[0]))
+                shapes[index] = (valid_all, tuple(dims_all[0]), codes_all)
             else:
                 object_payload.append(list(leaf.value[: valids[sample_index]]))
                 object_slots.append((index, "objects"))
             sample_index += 1
     if tensors:
         layout = [(local.dtype, *shapes[index]) for index, local in tensors]
-        per_rank = [_unpack(raw[r], [(dtype, rows[r], shape) for dtype, rows, shape in layout]) for r in range(world)]
+        per_rank = [
+            _unpack(raw[r], [(wire_dtype(codes[r], dtype), rows[r], shape) for dtype, rows, shape, codes in layout])
+            for r in range(world)
+        ]
         for slot, (index, local) in enumerate(tensors):
-            out = torch.cat([per_rank[r][slot] for r in range(world)], dim=0)
+            out = torch.cat([per_rank[r][slot].to(local.dtype) for r in range(world)], dim=0)
             if orders[index] is not None:
                 out = out.index_select(0, orders[index].to(out.device))
             results[index] = out.to(local.device)
@@ -231,19 +252,25 @@ def end_of_dataloader(state: GatherState, complete: bool = True) -> int:
 
 # internals -------------------------------------------------------------------------------------------------------
 
-def _split_infos(sample_leaves: Sequence[Leaf], infos: list[list[int]]) -> list[tuple[list[int], list[int], list[list[int]]]]:
-    """Per sample leaf: (valid per rank, start per rank, trailing dims per rank)."""
+def _split_infos(sample_leaves: Sequence[Leaf], infos: list[list[int]]) -> list[tuple[list[int], list[int], list[int], list[list[int]]]]:
+    """Per sample leaf: (valid, start, wire code, trailing dims), each per rank (objects: code 0, no dims)."""
     out, offset = [], 0
     for leaf in sample_leaves:
-        width = 2 + (leaf.value.ndim - 1 if leaf.kind == "tensor" else 0)
+        tensor = leaf.kind == "tensor"
+        width = 3 + leaf.value.ndim - 1 if tensor else 2
         chunk = [row[offset:offset + width] for row in infos]
-        out.append(([c[0] for c in chunk], [c[1] for c in chunk], [c[2:] for c in chunk]))
+        codes = [c[2] for c in chunk] if tensor else [0] * len(chunk)
+        out.append(([c[0] for c in chunk], [c[1] for c in chunk], codes, [c[3:] if tensor else [] for c in chunk]))
         offset += width
     return out
 
 
+def _explicit_start(first_sample: int, rows: int, state: GatherState) -> int | None:
+    return first_sample if 0 <= first_sample and first_sample + rows <= state.seen else None
+
+
 def _check_trailing_dims(sample_leaves: Sequence[Leaf], per_leaf: Sequence[tuple]) -> None:
-    for leaf, (_, _, dims) in zip(sample_leaves, per_leaf):
+    for leaf, (_, _, _, dims) in zip(sample_leaves, per_leaf):
         if leaf.kind != "tensor" or all(d == dims[0] for d in dims):
             continue
         bad = next(r for r, d in enumerate(dims) if d != dims[0])
@@ -256,7 +283,7 @@ def _check_trailing_dims(sample_leaves: Sequence[Leaf], per_leaf: Sequence[tuple
 
 
 def _check_not_all_padding(state: GatherState, sample_leaves: Sequence[Leaf], per_leaf: Sequence[tuple]) -> None:
-    for leaf, (valid_all, _, _) in zip(sample_leaves, per_leaf):
+    for leaf, (valid_all, _, _, _) in zip(sample_leaves, per_leaf):
         if sum(valid_all) == 0 and leaf.rows:
             raise GatherError(
                 f"gather_for_metrics: in batch {state.batches} of {state.name} every sample on every rank counts as "
@@ -266,8 +293,15 @@ def _check_not_all_padding(state: GatherState, sample_leaves: Sequence[Leaf], pe
             )
 
 
-def _order(valid: Sequence[int], start: Sequence[int], world: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=4)  # the leaves of one gather share their counts: one permutation for all of them
+def _order(valid: tuple[int, ...], start: tuple[int, ...], world: int) -> torch.Tensor:
     """Permutation that puts rank-major gathered rows into global sampler order (position * world + rank)."""
+    if len(set(start)) == 1:  # the usual case: position by position, rank by rank, skipping ranks that ran out
+        offsets = torch.tensor([0, *valid[:-1]], dtype=torch.int64).cumsum(0)
+        steps = torch.arange(max(valid, default=0), dtype=torch.int64)
+        grid = offsets[None, :] + steps[:, None]  # [position, rank] -> row in the rank-major concatenation
+        present = steps[:, None] < torch.tensor(valid, dtype=torch.int64)[None, :]
+        return grid[present]
     keys = torch.cat([(torch.arange(v, dtype=torch.int64) + s) * world + r for r, (v, s) in enumerate(zip(valid, start))])
     return torch.argsort(keys, stable=True)
 

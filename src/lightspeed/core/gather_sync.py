@@ -40,6 +40,10 @@ class GatherError(RuntimeError):
     """Ranks disagree about a gather (structure, dtype, shape, call site), or a rank never arrived."""
 
 
+class CallSiteMismatch(GatherError):
+    """The ranks met in different calls: e.g. one gathers a batch while another checks the end of its dataloader."""
+
+
 class CallSite(IntEnum):
     """Which collective a rank is in; travels in every header, so ranks in different calls are told apart."""
 
@@ -175,7 +179,9 @@ def agree(
     if not all(row[:3] == rows[0][:3] and row[3] == 0 for row in rows):
         details: list = [None] * world
         dist.all_gather_object(details, (list(signature), call_site_text, error, error_type))
-        raising = next((kind for _, _, err, kind in details if err), GatherError)
+        errors = [kind for _, _, err, kind in details if err]
+        different_sites = len({site for _, site, _, _ in details}) > 1
+        raising = errors[0] if errors else (CallSiteMismatch if different_sites else GatherError)
         raise raising(describe_disagreement(what, [d[:3] for d in details]))
     payloads = [row[6:6 + len(payload)] for row in rows] if inline_payload else all_gather_ints(payload)
     if data is None:

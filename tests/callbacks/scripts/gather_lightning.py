@@ -6,7 +6,8 @@ several dataloaders. Every rank saves ``rank{r}.pt``: what the callback logged, 
 by hand (per batch in ``validation_step`` and once in ``on_validation_epoch_end``), the values torchmetrics'
 plain ``sync_dist`` logging produced on the same run, Lightning's ``sync_dist=True`` hints raised during the runs,
 and, per ``gather_every`` mode, the error each rank got from a validation in which rank 1's step returns the wrong
-keys.
+keys. Four GatherForMetrics callbacks run side by side, one per ``gather_every`` mode (``"auto"``, ``"batch"``,
+2 batches, ``"epoch"``); each also logs :class:`UpdateSizes`, which shows how the metric updates were split.
 """
 
 from __future__ import annotations
@@ -39,6 +40,22 @@ VAL = {
     "iterable_nolen": ("iterable_nolen", 10, 2, False),
 }
 TEST = ("map", 13, 4, False)
+#: logged-name prefix -> gather_every of the callback that logs under it
+MODES = {"val": "auto", "val_batch": "batch", "val_w2": 2, "val_epoch": "epoch"}
+
+
+class UpdateSizes(torchmetrics.Metric):
+    """Sum over update calls of (rows in the call)^2: equals the per-batch value only if each batch was one update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("squares", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.squares += float(len(preds)) ** 2
+
+    def compute(self) -> torch.Tensor:
+        return self.squares
 
 
 class RankShard(IterableDataset):
@@ -138,37 +155,47 @@ class EvalModule(L.LightningModule):
         self._epoch_end("test")
 
 
-class WrongKeysOnRank1(L.LightningModule):
-    """Rank 1's validation_step returns the wrong keys; the other ranks return what the callback reads."""
+class Rank1Differs(L.LightningModule):
+    """``validation_step`` returns ``outputs(preds, target, rank)``, so that rank 1 can return what the others do not."""
 
-    def __init__(self) -> None:
+    def __init__(self, outputs) -> None:
         super().__init__()
         self.net = model()
+        self.outputs = outputs
 
     def validation_step(self, batch, batch_idx):
         x, y, _ = batch
-        preds = self.net(x).argmax(-1)
-        return {"logits": preds, "labels": y} if self.global_rank == 1 else {"logits_argmax": preds, "labels": y}
+        return self.outputs(self.net(x).argmax(-1), y, self.global_rank)
+
+
+def validation_error(world: int, callback: GatherForMetrics, module: L.LightningModule, n: int) -> str | None:
+    """The error this rank got from validating ``module`` over ``n`` samples (every rank must get one, none hang)."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy="ddp", callbacks=[callback], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    try:
+        trainer.validate(module, dataloaders=DataLoader(MapData(n), batch_size=2), verbose=False)
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def wrong_keys_errors(world: int) -> dict[str, str | None]:
-    """Per gather_every mode: the error this rank got (every rank must get the same one, none may hang)."""
-    errors: dict[str, str | None] = {}
-    for mode in ("batch", "epoch"):
-        callback = GatherForMetrics(
-            {"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")},
-            preds_key="logits_argmax", target_key="labels", gather_every=mode,
-        )
-        trainer = L.Trainer(
-            accelerator="cpu", devices=world, strategy="ddp", callbacks=[callback], logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        )
-        try:
-            trainer.validate(WrongKeysOnRank1(), dataloaders=DataLoader(MapData(7), batch_size=2), verbose=False)
-            errors[mode] = None
-        except Exception as err:  # noqa: BLE001 - the message is the result
-            errors[mode] = f"{type(err).__name__}: {err}"
-    return errors
+    """Per gather_every mode: the error when rank 1's step returns the wrong keys."""
+    module = Rank1Differs(lambda p, y, rank: {"logits": p, "labels": y} if rank == 1 else {"logits_argmax": p, "labels": y})
+    metrics = {"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")}
+    return {
+        mode: validation_error(world, GatherForMetrics(metrics, preds_key="logits_argmax", target_key="labels", gather_every=mode), module, 7)
+        for mode in dict.fromkeys(MODES.values())
+    }
+
+
+def ragged_errors(world: int) -> str | None:
+    """The error when rank 1's predictions have 4 columns and the others' 1: the ranks size their windows apart."""
+    module = Rank1Differs(lambda p, y, rank: {"preds": p[:, None].repeat(1, 4 if rank == 1 else 1), "target": y})
+    callback = GatherForMetrics({"n": lambda preds, target: torch.tensor(float(len(preds)))}, buffer_limit=64)  # 2 batches of 1 column
+    return validation_error(world, callback, module, 4 * world)
 
 
 def main() -> None:
@@ -179,19 +206,23 @@ def main() -> None:
             "acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro"),
             "f1": torchmetrics.classification.MulticlassF1Score(NUM_CLASSES, average="macro"),
             "count": lambda preds, target: torch.tensor(float(len(preds)), dtype=torch.float64),
+            "sizes": UpdateSizes(),
         },
         preds_key="logits_argmax",
         target_key="labels",
     )
-    # the same metric gathered once per epoch instead of once per batch
-    epoch_callback = GatherForMetrics(
-        {"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")},
-        preds_key="logits_argmax", target_key="labels", val_prefix="val_epoch/", test_prefix="test_epoch/",
-        gather_every="epoch",
-    )
+    # the same metrics gathered in the other windows
+    others = [
+        GatherForMetrics(
+            {"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro"), "sizes": UpdateSizes()},
+            preds_key="logits_argmax", target_key="labels", val_prefix=f"{prefix}/",
+            test_prefix=f"{prefix.replace('val', 'test')}/", gather_every=mode,
+        )
+        for prefix, mode in MODES.items() if prefix != "val"
+    ]
     module = EvalModule(callback)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, callbacks=[callback, epoch_callback], max_epochs=1,
+        accelerator="cpu", devices=world, strategy=strategy, callbacks=[callback, *others], max_epochs=1,
         limit_train_batches=2, num_sanity_val_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )
@@ -211,7 +242,7 @@ def main() -> None:
     torch.save(
         {
             "logged": logged, "record": dict(module.record), "results": callback.results, "world": trainer.world_size,
-            "sync_dist_hints": hints, "wrong_keys": wrong_keys_errors(world),
+            "sync_dist_hints": hints, "wrong_keys": wrong_keys_errors(world), "ragged": ragged_errors(world),
         },
         out_dir / f"rank{trainer.global_rank}.pt",
     )

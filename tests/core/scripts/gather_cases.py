@@ -24,6 +24,7 @@ from gather_data import NUM_CLASSES, LengthIterable, MapData, ShardedIterable, m
 from lightspeed import gather_for_metrics, gather_object, pad_across_processes  # noqa: E402
 from lightspeed.core.gather import track  # noqa: E402
 from lightspeed.core.gather_state import GatherState, current_state, set_current_state  # noqa: E402
+from lightspeed.core.gather_window import BatchWindow  # noqa: E402
 
 # name -> (kind, n, batch_size, options)
 CASES = {
@@ -64,6 +65,7 @@ def run_case(kind: str, n: int, batch_size: int, options: dict, rank: int, world
     plain_total = torchmetrics.SumMetric()
     batch_parts: dict[str, list] = {"preds": [], "target": [], "idx": [], "idx_again": [], "names": []}
     local_preds, local_idx, scalar_rows, masked_correct = [], [], [], []
+    window, windowed = None, []  # two consecutive batches per gather, split back per batch
     for x, y, idx in track(loader, state):
         assert current_state() is state
         with torch.no_grad():
@@ -85,10 +87,19 @@ def run_case(kind: str, n: int, batch_size: int, options: dict, rank: int, world
         masked_correct.append(gather_for_metrics((preds[mask] == y[mask]).sum()))
         local_preds.append(preds)
         local_idx.append(idx)
+        window = window or BatchWindow(first_sample=state.batch_start)
+        window.add({"idx": idx, "names": [f"s{int(i)}" for i in idx]})
+        if window.batches == 2:
+            windowed += window.gather(state)
+            window = None
+    if window is not None:
+        windowed += window.gather(state)
     assert current_state() is state  # stays current after the loop, for one gather of everything
     epoch = gather_for_metrics({"preds": torch.cat(local_preds), "idx": torch.cat(local_idx)})
     return {
         "per_batch": {k: (torch.cat(v) if k != "names" else v) for k, v in batch_parts.items()},
+        "per_batch_idx_lists": [t.tolist() for t in batch_parts["idx"]],
+        "windowed": [(b["idx"].tolist(), b["names"]) for b in windowed],
         "epoch_end": epoch,
         "acc": acc.compute(),
         "sum": total.compute(),
@@ -130,6 +141,11 @@ def extras(rank: int, world: int) -> dict:
     state = GatherState.shards(world_size=world, rank=rank)
     state.begin_batch(rank + 1)
     out["large"] = gather_for_metrics(torch.full((rank + 1, 70_000), float(rank)), state=state)
+    # integers narrowed for the wire, each rank to another width: the values and dtypes come back exactly
+    state = GatherState.shards(world_size=world, rank=rank)
+    state.begin_batch(2)
+    wide = [torch.tensor([0, 200]), torch.tensor([-5, 100]), torch.tensor([2**40, -(2**33)])][rank % 3]
+    out["wire"] = gather_for_metrics({"int64": wide, "int32": wide.clamp(-(2**31), 2**31 - 1).to(torch.int32)}, state=state)
     # no state at all: falls back to a plain gather and warns once
     set_current_state(None)
     with warnings.catch_warnings(record=True) as caught:

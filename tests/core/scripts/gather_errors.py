@@ -63,6 +63,10 @@ def run_errors(out_dir: Path) -> None:
     rows = 6 if rank == 0 else 3  # rank 0 flattened tokens: dim 0 is not the batch
     results["not_batch_dim"] = catch(lambda: gather_for_metrics(torch.zeros(rows), state=state))
 
+    # rank 1 names a first sample past what it has produced (3 samples so far)
+    first = 2 if rank == 1 else 0
+    results["first_sample_out_of_range"] = catch(lambda: gather_for_metrics(torch.zeros(3), state=state, first_sample=first))
+
     results["pad_ndim"] = catch(lambda: pad_across_processes(torch.zeros(2, 2) if rank == 2 else torch.zeros(2, 2, 2), dim=1))
     results["pad_dim_out_of_range"] = catch(lambda: pad_across_processes(torch.zeros(2, 2), dim=2 if rank == 0 else 1))
 
