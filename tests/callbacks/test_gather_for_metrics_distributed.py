@@ -13,6 +13,7 @@ per global batch with that batch's real samples.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -71,7 +72,7 @@ def update_sizes(n: int, batch_size: int, world: int) -> float:
     pads them to ``ceil(n / world)``), so step s holds ``min(batch_size, real - s * batch_size)`` real ones on rank r.
     """
     real = [len(range(r, n, world)) for r in range(world)]
-    steps = -(-(-(-n // world)) // batch_size)
+    steps = math.ceil(math.ceil(n / world) / batch_size)
     sizes = [sum(min(batch_size, max(0, own - step * batch_size)) for own in real) for step in range(steps)]
     return float(sum(size**2 for size in sizes))
 
