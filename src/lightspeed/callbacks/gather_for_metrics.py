@@ -45,7 +45,9 @@ from torchmetrics import Metric, MetricCollection
 from lightspeed.core.gather import end_of_dataloader
 from lightspeed.core.gather_state import GatherState, current_state, infer_batch_size, set_current_state
 from lightspeed.core.gather_sync import CallSiteMismatch, GatherError, is_distributed
-from lightspeed.core.gather_window import BatchWindow, batches_for_budget, batches_per_window, row_bytes
+from lightspeed.core.gather_window import (
+    BatchWindow, batches_for_budget, batches_per_window, concat_samples, row_bytes, sample_rows,
+)
 from lightspeed.core.sizes import parse_size
 
 MetricLike = Metric | MetricCollection | Callable[[Any, Any], Any]
@@ -261,7 +263,7 @@ class GatherForMetrics(Callback):
         if any(not isinstance(m, _STATEFUL) for m in copies.values()):
             collected["preds"].append(preds)
             collected["target"].append(target)
-        if not _num_rows(preds):  # a batch without samples would only trip the metrics' input checks
+        if not sample_rows(preds):  # a batch without samples would only trip the metrics' input checks
             return
         for metric in copies.values():
             if isinstance(metric, _STATEFUL):
@@ -287,7 +289,7 @@ class GatherForMetrics(Callback):
                     value = metric.compute()
                     metric.reset()
                 else:
-                    value = metric(_concat(collected["preds"]), _concat(collected["target"]))
+                    value = metric(concat_samples(collected["preds"]), concat_samples(collected["target"]))
                 suffix = f"/dataloader_idx_{idx}" if several else ""
                 for log_name, log_value in _named_values(f"{self.prefixes[stage]}{name}", value, suffix):
                     results[log_name] = log_value
@@ -328,7 +330,7 @@ class GatherForMetrics(Callback):
         if not missing:
             for name in (self.preds_key, self.target_key):
                 value = outputs[name]
-                rows = _num_rows(value)
+                rows = sample_rows(value)
                 if rows != state.batch_size:
                     described = f"{rows} rows on dim 0" if rows is not None else _kind_of(value)
                     return (
@@ -395,19 +397,6 @@ def _kind_of(value: Any) -> str:
 
 def _detached(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
-
-
-def _num_rows(value: Any) -> int | None:
-    """Samples along dim 0 of a step output (None for a 0-d tensor or a non-sequence)."""
-    if isinstance(value, torch.Tensor):
-        return int(value.shape[0]) if value.ndim else None
-    return len(value) if isinstance(value, (list, tuple)) else None
-
-
-def _concat(parts: list[Any]) -> Any:
-    if parts and isinstance(parts[0], torch.Tensor):
-        return torch.cat(parts)
-    return [item for part in parts for item in part]
 
 
 def _named_values(name: str, value: Any, suffix: str) -> list[tuple[str, Any]]:

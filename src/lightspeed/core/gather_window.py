@@ -56,7 +56,7 @@ class BatchWindow:
         if not self.fits(outputs):
             raise ValueError("BatchWindow.add: these outputs do not fit the window; gather it first (see fits()).")
         self._layout = self._layout or _layout(outputs)
-        rows = _rows(next(iter(outputs.values()))) if outputs else 0
+        rows = sample_rows(next(iter(outputs.values()))) if outputs else 0
         self._outputs.append(outputs)
         self._numbers.append(torch.full((rows,), self.batches, dtype=torch.int32))
         self.batches += 1
@@ -78,8 +78,8 @@ class BatchWindow:
             raise ValueError("BatchWindow.gather: the window holds no batch; add() one first.")
         if self.batches == 1:  # every rank's window holds one batch (sizes agree): nothing to split
             gathered = gather_for_metrics(dict(self._outputs[0]), state=state, first_sample=self.first_sample)
-            return [gathered] if _rows(next(iter(gathered.values()))) else []
-        data = {name: _concat([o[name] for o in self._outputs]) for name in self._outputs[0]}
+            return [gathered] if sample_rows(next(iter(gathered.values()))) else []
+        data = {name: concat_samples([o[name] for o in self._outputs]) for name in self._outputs[0]}
         data[_BATCH_KEY] = torch.cat(self._numbers)
         gathered = gather_for_metrics(data, state=state, first_sample=self.first_sample)
         numbers = gathered.pop(_BATCH_KEY)
@@ -136,20 +136,24 @@ def _layout(outputs: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _rows(value: Any) -> int:
-    return int(value.shape[0]) if isinstance(value, torch.Tensor) else len(value)
+def sample_rows(value: Any) -> int | None:
+    """Samples along dim 0 of an output: a tensor's rows, a list's or tuple's length (None for a 0-d tensor or other)."""
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.ndim else None
+    return len(value) if isinstance(value, (list, tuple)) else None
+
+
+def concat_samples(parts: list[Any]) -> Any:
+    """One output of consecutive batches joined along the samples: a tensor, or a list of per-sample objects."""
+    if parts and isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return [item for part in parts for item in part]
 
 
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     return len(value) * _OBJECT_BYTES
-
-
-def _concat(parts: list[Any]) -> Any:
-    if isinstance(parts[0], torch.Tensor):
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-    return type(parts[0])(item for part in parts for item in part)
 
 
 def _take(value: Any, order: torch.Tensor) -> Any:
@@ -167,4 +171,7 @@ def _split(value: Any, sizes: list[int]) -> list[Any]:
     return [value[start:end] for start, end in zip(bounds, bounds[1:])]
 
 
-__all__ = ["BatchWindow", "split_by_batch", "batches_per_window", "batches_for_budget", "row_bytes"]
+__all__ = [
+    "BatchWindow", "split_by_batch", "batches_per_window", "batches_for_budget", "row_bytes", "sample_rows",
+    "concat_samples",
+]
