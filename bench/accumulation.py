@@ -38,7 +38,6 @@ RATIOS = (("ddp_exact", "ddp"), ("zero1", "zero1_reduce_every_micro_batch"), ("z
 def make_strategy(name: str):
     if name != "zero1_reduce_every_micro_batch":
         return name
-    from lightspeed.strategies.exact_accumulation import set_deepspeed_boundary
     from lightspeed.strategies.zero import ZeroStrategy
 
     class ZeroReduceEveryMicroBatch(ZeroStrategy):
@@ -49,13 +48,13 @@ def make_strategy(name: str):
 
         @contextmanager
         def block_backward_sync(self):
-            set_deepspeed_boundary(self.model, False)
-            yield
+            with super().block_backward_sync():  # the product path: boundary off, gradients stay local
+                yield
             grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
             flat = torch._utils._flatten_dense_tensors(grads)
             torch.distributed.all_reduce(flat)
             flat /= self.world_size
-            for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(synced)
 
     return ZeroReduceEveryMicroBatch(stage=1)
@@ -97,17 +96,26 @@ def time_variant(name: str, args: argparse.Namespace) -> tuple[list[float], dict
     gen = torch.Generator().manual_seed(1)
     n = world * args.batch * ACCUMULATE * args.steps
     data = TensorDataset(torch.randn(n, args.hidden, generator=gen), torch.randn(n, args.hidden, generator=gen))
-    loader = DataLoader(data, batch_size=args.batch,
-                        sampler=DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False))
+    loader = DataLoader(
+        data, batch_size=args.batch, sampler=DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+    )
     timer = StepTimer()
     module = Regression()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=make_strategy(name), max_epochs=1,
-        accumulate_grad_batches=ACCUMULATE, callbacks=[timer], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=world,
+        strategy=make_strategy(name),
+        max_epochs=1,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
     )
     trainer.fit(module, loader)
-    steps = [b - a for a, b in zip(timer.stamps, timer.stamps[1:])]
+    steps = [b - a for a, b in zip(timer.stamps, timer.stamps[1:], strict=False)]
     weights = {k: v.detach().float().clone() for k, v in module.net.state_dict().items()}
     return steps, weights
 
@@ -122,9 +130,11 @@ def worker(args: argparse.Namespace) -> None:
     if int(os.environ["RANK"]) != 0:
         return
     params = sum(v.numel() for v in weights["ddp"].values())
-    print(f"\naccumulate_grad_batches={ACCUMULATE}, {os.environ['WORLD_SIZE']} CPU ranks (gloo), MLP "
-          f"{args.layers}x{args.hidden} ({params / 1e6:.1f}M parameters), micro-batch {args.batch}, "
-          f"{args.steps} steps x {args.repeats} repeats")
+    print(
+        f"\naccumulate_grad_batches={ACCUMULATE}, {os.environ['WORLD_SIZE']} CPU ranks (gloo), MLP "
+        f"{args.layers}x{args.hidden} ({params / 1e6:.1f}M parameters), micro-batch {args.batch}, "
+        f"{args.steps} steps x {args.repeats} repeats"
+    )
     median = {name: statistics.median(values) for name, values in times.items()}
     for name in VARIANTS:
         drift = max((weights[name][k] - weights["ddp"][k]).abs().max().item() for k in weights["ddp"])
@@ -151,8 +161,17 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.devices}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={port}", __file__, *sys.argv[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={args.devices}",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        __file__,
+        *sys.argv[1:],
+    ]
     raise SystemExit(subprocess.call(cmd, env=env))
 
 

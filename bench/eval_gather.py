@@ -75,7 +75,9 @@ def main() -> None:
     torch.set_num_threads(1)
 
     gen = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(args.samples, FEATURES, generator=gen), torch.randint(0, CLASSES, (args.samples,), generator=gen))
+    data = TensorDataset(
+        torch.randn(args.samples, FEATURES, generator=gen), torch.randint(0, CLASSES, (args.samples,), generator=gen)
+    )
     loader = DataLoader(data, batch_size=args.batch_size)
 
     def accuracy() -> dict[str, torchmetrics.Metric]:
@@ -87,10 +89,17 @@ def main() -> None:
         "callback, gather_every=batch": GatherForMetrics(accuracy(), gather_every="batch"),
         "callback, gather_every=epoch": GatherForMetrics(accuracy(), gather_every="epoch"),
     }
+
     def make_trainer(callbacks: list) -> L.Trainer:
         return L.Trainer(
-            accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto", callbacks=callbacks,
-            logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+            accelerator="cpu",
+            devices=args.devices,
+            strategy="ddp" if args.devices > 1 else "auto",
+            callbacks=callbacks,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
         )
 
     variants = {"baseline (no gathering)": (make_trainer([]), TinyEval(gather=False))}
@@ -111,12 +120,17 @@ def main() -> None:
     if variants["callback"][0].global_rank == 0:
         medians = {name: statistics.median(ts) for name, ts in times.items()}
         ratios = {name: medians["baseline (no gathering)"] / median for name, median in medians.items()}
-        print(f"eval of {args.samples} samples, batch {args.batch_size}, {args.devices} CPU ranks (gloo), median of {args.repeats} repeats:")
+        print(
+            f"eval of {args.samples} samples, batch {args.batch_size}, {args.devices} CPU ranks (gloo), "
+            f"median of {args.repeats} repeats:"
+        )
         for name, median in medians.items():
             print(f"  {name:30s} {args.samples / median:12.0f} samples/s ({median:.3f} s)  ratio {ratios[name]:.3f}")
         print(f"ratio callback (defaults) / baseline: {ratios['callback']:.3f} (target >= 0.9)")
         with torch.no_grad():  # the single-process value every callback must have logged, exactly
-            reference = float((TinyEval(gather=False).net(data.tensors[0]).argmax(-1) == data.tensors[1]).double().mean())
+            reference = float(
+                (TinyEval(gather=False).net(data.tensors[0]).argmax(-1) == data.tensors[1]).double().mean()
+            )
         values = {name: float(cb.results["validate"]["val/acc"]) for name, cb in callbacks.items()}
         print(f"accuracy: single process {reference:.6f}; logged by the callbacks {values}")
         if any(abs(value - reference) > 1e-6 for value in values.values()):

@@ -79,8 +79,12 @@ def make_checkpoint(out: Path, layers: int) -> None:
         "train_micro_batch_size_per_gpu": 1,
         # small buckets and sub-groups keep the two ranks' temporaries small enough for a 24 GiB machine
         "zero_optimization": {
-            "stage": 3, "sub_group_size": 2e7, "reduce_bucket_size": 5e7, "stage3_prefetch_bucket_size": 5e7,
-            "stage3_max_live_parameters": 1e8, "stage3_max_reuse_distance": 1e8,
+            "stage": 3,
+            "sub_group_size": 2e7,
+            "reduce_bucket_size": 5e7,
+            "stage3_prefetch_bucket_size": 5e7,
+            "stage3_max_live_parameters": 1e8,
+            "stage3_max_reuse_distance": 1e8,
         },
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
@@ -128,8 +132,18 @@ def _rss_now() -> int:
 
 
 def measure(name: str, ckpt: Path, out: Path, shard_size: str) -> dict:
-    cmd = [sys.executable, __file__, "--run-exporter", name, "--checkpoint", str(ckpt), "--out", str(out),
-           "--shard-size", shard_size]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--run-exporter",
+        name,
+        "--checkpoint",
+        str(ckpt),
+        "--out",
+        str(out),
+        "--shard-size",
+        shard_size,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
     total = time.perf_counter() - start
@@ -195,7 +209,9 @@ def main() -> None:
     fp32_bytes = params * 4
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lightspeed-export-bench-"))
     ckpt = workdir / "checkpoint"
-    print(f"model: {params / 1e6:.1f}M parameters ({layers} blocks of width {WIDTH}), fp32 size {fp32_bytes / 1e9:.2f} GB")
+    print(
+        f"model: {params / 1e6:.1f}M parameters ({layers} blocks of width {WIDTH}), fp32 size {fp32_bytes / 1e9:.2f} GB"
+    )
     try:
         if not (ckpt / "latest").is_file():
             start = time.perf_counter()
@@ -203,34 +219,58 @@ def main() -> None:
             log = workdir / "make_checkpoint.log"
             with open(log, "w") as handle:
                 proc = subprocess.run(
-                    [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
-                     __file__, "--make-checkpoint", "--layers", str(layers), "--out", str(ckpt)],
-                    env=_env(), stdout=handle, stderr=subprocess.STDOUT,
+                    [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--nproc_per_node=2",
+                        "--master_port=29517",
+                        __file__,
+                        "--make-checkpoint",
+                        "--layers",
+                        str(layers),
+                        "--out",
+                        str(ckpt),
+                    ],
+                    env=_env(),
+                    stdout=handle,
+                    stderr=subprocess.STDOUT,
                 )
             if proc.returncode != 0:
                 raise SystemExit(f"building the checkpoint failed; last lines of {log}:\n" + log.read_text()[-4000:])
             size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
-            print(f"checkpoint: ZeRO-3, 2 ranks, {size / 1e9:.2f} GB on disk, built in {time.perf_counter() - start:.0f} s")
+            print(
+                f"checkpoint: ZeRO-3, 2 ranks, {size / 1e9:.2f} GB on disk, "
+                f"built in {time.perf_counter() - start:.0f} s"
+            )
         results = {}
         for name in args.exporters.split(","):
             out = workdir / f"export_{name}"
             shutil.rmtree(out, ignore_errors=True)
             results[name] = measure(name, ckpt, out, args.shard_size)
         base = results.get("deepspeed")
-        print(f"\n{'exporter':<11} {'wall s':>7} {'peak RSS GB':>12} {'x fp32 size':>12} {'RSS after imports GB':>21} "
-              f"{'peak vs deepspeed':>18} {'wall vs deepspeed':>18}")
+        print(
+            f"\n{'exporter':<11} {'wall s':>7} {'peak RSS GB':>12} {'x fp32 size':>12} {'RSS after imports GB':>21} "
+            f"{'peak vs deepspeed':>18} {'wall vs deepspeed':>18}"
+        )
         for name, r in results.items():
             vs_peak = f"{r['peak_rss'] / base['peak_rss']:.2f}x" if base else "-"
             vs_wall = f"{r['wall_s'] / base['wall_s']:.2f}x" if base else "-"
-            print(f"{name:<11} {r['wall_s']:>7.1f} {r['peak_rss'] / 1e9:>12.2f} {r['peak_rss'] / fp32_bytes:>12.2f} "
-                  f"{r['imported_rss'] / 1e9:>21.2f} {vs_peak:>18} {vs_wall:>18}")
+            print(
+                f"{name:<11} {r['wall_s']:>7.1f} {r['peak_rss'] / 1e9:>12.2f} {r['peak_rss'] / fp32_bytes:>12.2f} "
+                f"{r['imported_rss'] / 1e9:>21.2f} {vs_peak:>18} {vs_wall:>18}"
+            )
         if "lightspeed" in results:
             r = results["lightspeed"]
-            print(f"\ntarget peak RSS <= 0.35x fp32 size: {r['peak_rss'] / fp32_bytes:.2f}x "
-                  f"({'met' if r['peak_rss'] <= 0.35 * fp32_bytes else 'NOT met'})")
+            print(
+                f"\ntarget peak RSS <= 0.35x fp32 size: {r['peak_rss'] / fp32_bytes:.2f}x "
+                f"({'met' if r['peak_rss'] <= 0.35 * fp32_bytes else 'NOT met'})"
+            )
             if base:
-                print(f"target wall <= DeepSpeed's: {r['wall_s']:.1f} s vs {base['wall_s']:.1f} s "
-                      f"({'met' if r['wall_s'] <= base['wall_s'] else 'NOT met'})")
+                print(
+                    f"target wall <= DeepSpeed's: {r['wall_s']:.1f} s vs {base['wall_s']:.1f} s "
+                    f"({'met' if r['wall_s'] <= base['wall_s'] else 'NOT met'})"
+                )
                 equal = same_tensors(workdir / "export_lightspeed", workdir / "export_deepspeed")
                 print(f"lightspeed export equals DeepSpeed's tensor by tensor: {equal}")
     finally:

@@ -45,8 +45,9 @@ def make_model() -> nn.Module:
 
 def rank_loader(data: TensorDataset, batch: int) -> DataLoader:
     """This rank's shard, in order (the process group may not exist yet: ranks come from torchrun's environment)."""
-    sampler = DistributedSampler(data, num_replicas=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]),
-                                 shuffle=False)
+    sampler = DistributedSampler(
+        data, num_replicas=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]), shuffle=False
+    )
     return DataLoader(data, batch_size=batch, sampler=sampler)
 
 
@@ -85,9 +86,16 @@ def time_trainer(name: str, args: argparse.Namespace, data: TensorDataset) -> tu
 
     clock = Clock()
     trainer = L.Trainer(
-        strategy=name, accelerator=args.accelerator, devices=args.devices, max_steps=args.warmup + args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[clock], use_distributed_sampler=False,
+        strategy=name,
+        accelerator=args.accelerator,
+        devices=args.devices,
+        max_steps=args.warmup + args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+        use_distributed_sampler=False,
     )
     trainer.fit(Module(), rank_loader(data, args.batch))
     config = getattr(trainer.strategy, "resolved_config", None) or trainer.strategy.config
@@ -106,8 +114,12 @@ def time_engine_loop(config: dict, offload: bool, args: argparse.Namespace, data
         optimizer = to_deepspeed_cpu_adam(optimizer)
     local_rank = int(os.environ["LOCAL_RANK"])
     engine, *_ = deepspeed.initialize(
-        args=argparse.Namespace(device_rank=local_rank), model=net, optimizer=optimizer, config=config,
-        model_parameters=[p for p in net.parameters() if p.requires_grad], dist_init_required=False,
+        args=argparse.Namespace(device_rank=local_rank),
+        model=net,
+        optimizer=optimizer,
+        config=config,
+        model_parameters=[p for p in net.parameters() if p.requires_grad],
+        dist_init_required=False,
     )
     loader = rank_loader(data, args.batch)
     device = engine.device
@@ -140,13 +152,19 @@ def worker(args: argparse.Namespace) -> None:
         if args.with_lightning and name in LIGHTNING_EQUIVALENT:
             rows[-1]["lightning"] = global_samples / time_trainer(LIGHTNING_EQUIVALENT[name], args, data)[0]
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"\nsamples/s, {args.devices} x {args.accelerator}, micro-batch {args.batch}, {args.steps} measured steps, "
-              f"median of {args.repeats}")
-        print(f"{'strategy':<16}{'lightspeed':>12}{'engine loop':>13}{'ratio':>8}" +
-              (f"{'lightning':>12}{'ratio':>8}" if args.with_lightning else ""))
+        print(
+            f"\nsamples/s, {args.devices} x {args.accelerator}, micro-batch {args.batch}, {args.steps} measured steps, "
+            f"median of {args.repeats}"
+        )
+        print(
+            f"{'strategy':<16}{'lightspeed':>12}{'engine loop':>13}{'ratio':>8}"
+            + (f"{'lightning':>12}{'ratio':>8}" if args.with_lightning else "")
+        )
         for row in rows:
-            line = (f"{row['name']:<16}{row['lightspeed']:>12.1f}{row['engine_loop']:>13.1f}"
-                    f"{row['lightspeed'] / row['engine_loop']:>8.3f}")
+            line = (
+                f"{row['name']:<16}{row['lightspeed']:>12.1f}{row['engine_loop']:>13.1f}"
+                f"{row['lightspeed'] / row['engine_loop']:>8.3f}"
+            )
             if "lightning" in row:
                 line += f"{row['lightning']:>12.1f}{row['lightspeed'] / row['lightning']:>8.3f}"
             print(line)
@@ -155,7 +173,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 LIGHTNING_EQUIVALENT = {
-    "zero1": "deepspeed_stage_1", "zero2": "deepspeed_stage_2", "zero3": "deepspeed_stage_3",
+    "zero1": "deepspeed_stage_1",
+    "zero2": "deepspeed_stage_2",
+    "zero3": "deepspeed_stage_3",
     "zero3_offload": "deepspeed_stage_3_offload",
 }
 

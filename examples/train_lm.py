@@ -17,12 +17,13 @@ from pathlib import Path
 import lightning as L
 import torch
 import torchmetrics
+from tiny_lm import ALPHABET, CharWindows, TinyGPT, generate_corpus
 from torch import nn
 from torch.utils.data import DataLoader
 
 import lightspeed
 from lightspeed.callbacks import GatherForMetrics, ZeroExport
-from tiny_lm import ALPHABET, CharWindows, TinyGPT, generate_corpus
+
 
 class LanguageModel(L.LightningModule):
     """An ordinary LightningModule: nothing in it knows about ZeRO, offload or the number of processes."""
@@ -81,10 +82,12 @@ def main() -> None:
     val = CharWindows(generate_corpus(args.lines // 10, seed=2), context)  # length not a multiple of the ranks
 
     vocab = len(ALPHABET)
-    metrics = GatherForMetrics({
-        "next_token_accuracy": NextTokenAccuracy(num_classes=vocab, average="micro"),
-        "perplexity": torchmetrics.text.Perplexity(),
-    })
+    metrics = GatherForMetrics(
+        {
+            "next_token_accuracy": NextTokenAccuracy(num_classes=vocab, average="micro"),
+            "perplexity": torchmetrics.text.Perplexity(),
+        }
+    )
     export_dir = args.out / "export"
     trainer = L.Trainer(
         strategy=args.strategy,
@@ -108,9 +111,11 @@ def main() -> None:
     results = {k: float(v) for k, v in trainer.callback_metrics.items()}
 
     if trainer.is_global_zero:
-        print(f"\nvalidation over all {len(val)} windows (no duplicates): "
-              f"next-token accuracy {results['val/next_token_accuracy']:.4f}, "
-              f"perplexity {results['val/perplexity']:.3f} (uniform guess: {vocab})")
+        print(
+            f"\nvalidation over all {len(val)} windows (no duplicates): "
+            f"next-token accuracy {results['val/next_token_accuracy']:.4f}, "
+            f"perplexity {results['val/perplexity']:.3f} (uniform guess: {vocab})"
+        )
         fresh = LanguageModel(context)
         lightspeed.export.load_exported(fresh, export_dir)
         fresh.eval()
@@ -120,9 +125,11 @@ def main() -> None:
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
         reloaded_ppl = math.exp(loss.item())
         match = math.isclose(reloaded_ppl, results["val/perplexity"], rel_tol=2e-3)
-        print(f"export: {sorted(p.name for p in export_dir.iterdir())} -> reloaded into a fresh model without "
-              f"DeepSpeed: perplexity {reloaded_ppl:.3f} -> {'matches' if match else 'DOES NOT MATCH'} the "
-              "distributed evaluation")
+        print(
+            f"export: {sorted(p.name for p in export_dir.iterdir())} -> reloaded into a fresh model without "
+            f"DeepSpeed: perplexity {reloaded_ppl:.3f} -> {'matches' if match else 'DOES NOT MATCH'} the "
+            "distributed evaluation"
+        )
         if not match:
             raise SystemExit(1)
 

@@ -78,7 +78,9 @@ def make_loader(samples: int = 256, batch_size: int = 32) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
-def train(model: L.LightningModule, precision: str = "bf16-mixed", epochs: int = 3, root: str = "lightning_logs/xla_notebook") -> L.Trainer:
+def train(
+    model: L.LightningModule, precision: str = "bf16-mixed", epochs: int = 3, root: str = "lightning_logs/xla_notebook"
+) -> L.Trainer:
     """Cell 2: fit ``model`` on all devices of the configured PJRT device; the trained weights land in ``model``."""
     trainer = L.Trainer(
         accelerator="xla",

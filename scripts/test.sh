@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup_xla.sh
 . scripts/env.sh
+echo "[test] lint and types: ruff check, ruff format --check, mypy"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
 echo "[test] main suite (.venv: torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
 .venv/bin/python -m pytest "$@"
 

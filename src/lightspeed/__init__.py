@@ -1,38 +1,29 @@
 """lightspeed: DeepSpeed ZeRO, XLA, exact accumulation, exact distributed metrics and safetensors export,
 packaged as Lightning strategies, plugins and callbacks.
 
-``import lightspeed`` registers the strategy names (``zero1`` ... ``zero3_nvme``, ``ddp_exact``, ...) with
-Lightning's registries. Heavy dependencies (DeepSpeed, torch_xla) are imported only when first used.
+``import lightspeed`` registers the strategy names (``zero1`` ... ``zero3_nvme``, ``zero_auto``, ``ddp_exact``,
+``xla_exact``), ``accelerator="xla"`` and the XLA precision routing with Lightning (:mod:`lightspeed.registry`).
+DeepSpeed and torch_xla are imported only when a run uses them.
+
+Public: the subpackages ``strategies``, ``plugins``, ``callbacks`` and ``export``, and the gather functions below.
+``lightspeed.core`` is internal.
 """
 
-from __future__ import annotations
+from lightspeed import callbacks, export, plugins, strategies
+from lightspeed._version import __version__
+from lightspeed.core.gather import GatherError, gather_for_metrics, gather_object, pad_across_processes
+from lightspeed.registry import register_all
 
-import importlib
-from typing import Any
+register_all()
 
-__version__ = "0.1.0"
-
-from lightspeed._lazy import lazy_getattr
-from lightspeed.strategies import register_strategies as _register_strategies
-
-_register_strategies()
-
-# public name -> module that defines it; loaded on first access so `import lightspeed` stays fast
-_LAZY_ATTRIBUTES = {
-    "gather_for_metrics": "lightspeed.core.gather",
-    "pad_across_processes": "lightspeed.core.gather",
-    "gather_object": "lightspeed.core.gather",
-    "GatherError": "lightspeed.core.gather_sync",
-}
-_LAZY_SUBMODULES = ("callbacks", "core", "export", "plugins", "strategies", "cli")
-
-__all__ = ["__version__", *_LAZY_ATTRIBUTES, *_LAZY_SUBMODULES]
-
-
-_lazy_attribute = lazy_getattr(__name__, _LAZY_ATTRIBUTES)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY_SUBMODULES:
-        return importlib.import_module(f"lightspeed.{name}")
-    return _lazy_attribute(name)
+__all__ = [
+    "GatherError",
+    "__version__",
+    "callbacks",
+    "export",
+    "gather_for_metrics",
+    "gather_object",
+    "pad_across_processes",
+    "plugins",
+    "strategies",
+]

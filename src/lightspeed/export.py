@@ -27,6 +27,7 @@ from lightspeed.core.checkpoint.errors import CheckpointError, ExportError
 from lightspeed.core.checkpoint.exporter import ExportResult, export_checkpoint_path
 from lightspeed.core.checkpoint.loading import LoadResult
 from lightspeed.core.checkpoint.loading import load_exported as _load_exported
+from lightspeed.core.checkpoint.options import ExportOptions
 from lightspeed.core.checkpoint.safetensors_writer import Progress
 
 __all__ = ["CheckpointError", "ExportError", "ExportResult", "LoadResult", "export_checkpoint", "load_exported"]
@@ -62,10 +63,15 @@ def export_checkpoint(
         overwrite: replace a non-empty ``out``.
         progress: called with (bytes written, total bytes) after each tensor.
     """
-    return export_checkpoint_path(
-        ckpt, out, dtype=dtype, max_shard_size=max_shard_size, tag=tag, exclude_frozen=exclude_frozen,
-        strip_prefix=strip_prefix, overwrite=overwrite, progress=progress,
+    options = ExportOptions(
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        tag=tag,
+        exclude_frozen=exclude_frozen,
+        strip_prefix=strip_prefix,
+        overwrite=overwrite,
     )
+    return export_checkpoint_path(ckpt, out, options, progress)
 
 
 def load_exported(module: nn.Module, path: str | os.PathLike, strict: bool = True) -> LoadResult:

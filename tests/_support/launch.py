@@ -6,8 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,8 +51,15 @@ def run_torchrun(
 ) -> subprocess.CompletedProcess:
     """Launch ``script`` on ``nproc`` local ranks with torchrun (TorchElastic environment, gloo on CPU)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-        f"--master_port={free_port()}", "--master_addr=127.0.0.1", str(script), *map(str, args),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--nnodes=1",
+        f"--master_port={free_port()}",
+        "--master_addr=127.0.0.1",
+        str(script),
+        *map(str, args),
     ]
     proc = subprocess.run(cmd, env=child_env(env), capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
     return _check(proc, f"torchrun {Path(script).name}") if check else proc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 IN_FEATURES, HIDDEN, OUT_FEATURES = 13, 37, 5  # odd sizes force ZeRO padding
 
@@ -75,12 +75,18 @@ def rank_batches(n: int, world_size: int, batch: int, epoch: int, seed: int = 0)
         sampler.set_epoch(epoch)
         indices = list(sampler)
         per_rank.append([indices[i : i + batch] for i in range(0, len(indices), batch)])
-    return [list(step) for step in zip(*per_rank)]
+    return [list(step) for step in zip(*per_rank, strict=False)]
 
 
 def reference_training(
-    steps: int, world_size: int, batch: int, lr: float = 1e-2, weight_decay: float = 0.01, seed: int = 0,
-    n: int = 64, net: nn.Module | None = None,
+    steps: int,
+    world_size: int,
+    batch: int,
+    lr: float = 1e-2,
+    weight_decay: float = 0.01,
+    seed: int = 0,
+    n: int = 64,
+    net: nn.Module | None = None,
 ) -> dict[str, torch.Tensor]:
     """Plain single-process PyTorch AdamW on the same global batches the ranks of a distributed run see.
 

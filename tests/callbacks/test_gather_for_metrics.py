@@ -17,8 +17,7 @@ from torch.utils.data import DataLoader, SubsetRandomSampler
 import lightspeed
 from lightspeed.callbacks import GatherForMetrics
 from lightspeed.callbacks.gather_for_metrics import StepOutputError
-from lightspeed.core.gather_state import GatherState
-from lightspeed.core.gather_sync import GatherError
+from lightspeed.core.gather import GatherError, GatherState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "scripts"))
 from gather_data import NUM_CLASSES, MapData, model, reference  # noqa: E402
@@ -67,8 +66,14 @@ class RowCount(torchmetrics.Metric):
 
 def trainer(callback: GatherForMetrics, accelerator: str = "cpu", **kwargs) -> L.Trainer:
     return L.Trainer(
-        accelerator=accelerator, devices=1, callbacks=[callback], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, **kwargs,
+        accelerator=accelerator,
+        devices=1,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        **kwargs,
     )
 
 
@@ -86,10 +91,14 @@ def test_single_device_metrics_equal_reference_and_gathers_are_no_ops():
     module = Module()
     loaders = [DataLoader(MapData(n), batch_size=4), DataLoader(MapData(5), batch_size=2)]
     metrics = trainer(callback).validate(module, dataloaders=loaders, verbose=False)[0]
-    expected_acc = torchmetrics.functional.accuracy(ref["preds"], ref["target"], "multiclass", num_classes=NUM_CLASSES, average="micro")
+    expected_acc = torchmetrics.functional.accuracy(
+        ref["preds"], ref["target"], "multiclass", num_classes=NUM_CLASSES, average="micro"
+    )
     assert metrics["eval/acc/dataloader_idx_0"] == expected_acc.item()
     assert metrics["eval/n_correct/dataloader_idx_0"] == int((ref["preds"] == ref["target"]).sum())
-    expected_p = torchmetrics.functional.precision(ref["preds"], ref["target"], "multiclass", num_classes=NUM_CLASSES, average="macro")
+    expected_p = torchmetrics.functional.precision(
+        ref["preds"], ref["target"], "multiclass", num_classes=NUM_CLASSES, average="macro"
+    )
     assert metrics["eval/both/p/dataloader_idx_0"] == expected_p.item()
     assert "eval/acc/dataloader_idx_1" in metrics
     first_idx, first_list = module.by_hand[0]
@@ -130,7 +139,9 @@ def test_each_trainer_run_starts_fresh():
     trainer(callback).test(Module(), dataloaders=DataLoader(MapData(6), batch_size=4), verbose=False)
     assert set(callback.results) == {"validate", "test"}, "a test run keeps the last validation results"
     # a validation run that evaluates nothing must not report the previous run's values
-    trainer(callback, limit_val_batches=0).validate(Module(), dataloaders=DataLoader(MapData(6), batch_size=4), verbose=False)
+    trainer(callback, limit_val_batches=0).validate(
+        Module(), dataloaders=DataLoader(MapData(6), batch_size=4), verbose=False
+    )
     assert set(callback.results) == {"test"}
     with pytest.raises(KeyError, match="has not seen a validate batch from dataloader 0"):
         callback.state_for("validate", 0)
@@ -146,10 +157,18 @@ def test_the_sync_dist_hint_filter_does_not_outlive_the_run():
 def test_missing_output_key_is_a_clear_error():
     callback = GatherForMetrics({"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES)})
     assert issubclass(StepOutputError, GatherError)
-    with pytest.raises(StepOutputError, match=r"GatherForMetrics reads 'preds' and 'target' from what validation_step returns, "
-                                       r"but it returned a dict with keys \['logits', 'y'\] \(missing \['preds', 'target'\]\)"):
-        trainer(callback).validate(Module("wrong_keys"), dataloaders=DataLoader(MapData(4), batch_size=2), verbose=False)
-    with pytest.raises(StepOutputError, match=r"from what test_step returns, but it returned 'NoneType'.*preds_key=\.\.\., target_key=\.\.\."):
+    with pytest.raises(
+        StepOutputError,
+        match=r"GatherForMetrics reads 'preds' and 'target' from what validation_step returns, "
+        r"but it returned a dict with keys \['logits', 'y'\] \(missing \['preds', 'target'\]\)",
+    ):
+        trainer(callback).validate(
+            Module("wrong_keys"), dataloaders=DataLoader(MapData(4), batch_size=2), verbose=False
+        )
+    with pytest.raises(
+        StepOutputError,
+        match=r"from what test_step returns, but it returned 'NoneType'.*preds_key=\.\.\., target_key=\.\.\.",
+    ):
         trainer(callback).test(Module("none"), dataloaders=DataLoader(MapData(4), batch_size=2), verbose=False)
     epoch = GatherForMetrics({"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES)}, gather_every="epoch")
     with pytest.raises(StepOutputError, match=r"returned a dict with keys \['logits', 'y'\]"):
@@ -158,8 +177,11 @@ def test_missing_output_key_is_a_clear_error():
 
 def test_outputs_that_are_not_one_row_per_sample_are_a_clear_error():
     callback = GatherForMetrics({"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES)})
-    with pytest.raises(StepOutputError, match=r"^GatherForMetrics: validation_step returned 'preds' with 4 rows on dim 0, but "
-                                              r"the batch has 2 samples\. Return one row per sample \(dim 0 = the batch"):
+    with pytest.raises(
+        StepOutputError,
+        match=r"^GatherForMetrics: validation_step returned 'preds' with 4 rows on dim 0, but "
+        r"the batch has 2 samples\. Return one row per sample \(dim 0 = the batch",
+    ):
         trainer(callback).validate(Module("per_token"), dataloaders=DataLoader(MapData(4), batch_size=2), verbose=False)
     with pytest.raises(StepOutputError, match=r"returned 'target' with a 0-d tensor, but the batch has 2 samples"):
         trainer(callback).validate(Module("scalar"), dataloaders=DataLoader(MapData(4), batch_size=2), verbose=False)
@@ -176,9 +198,14 @@ def test_no_metrics_only_tracks_for_hand_written_gathers():
 def test_constructor_rejects_non_metrics():
     with pytest.raises(TypeError, match=r"expects a dict of metrics .* got MulticlassAccuracy; wrap it"):
         GatherForMetrics(torchmetrics.classification.MulticlassAccuracy(3))
-    with pytest.raises(TypeError, match=r"metric 'acc' is a int; pass a torchmetrics Metric or MetricCollection, or a callable"):
+    with pytest.raises(
+        TypeError, match=r"metric 'acc' is a int; pass a torchmetrics Metric or MetricCollection, or a callable"
+    ):
         GatherForMetrics({"acc": 3})
-    with pytest.raises(ValueError, match=r"GatherForMetrics\(gather_every='step'\): use 'auto', 'batch', 'epoch' or a number of batches >= 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"GatherForMetrics\(gather_every='step'\): use 'auto', 'batch', 'epoch' or a number of batches >= 1",
+    ):
         GatherForMetrics(gather_every="step")
 
 
@@ -189,7 +216,12 @@ def test_lightning_sampler_wrappers_keep_each_index_once(world, wrapper):
     subset = [5, 3, 8, 1, 9, 0, 7]  # a custom sampler over 7 of 10 samples
     kept = []
     for rank in range(world):
-        sampler = wrapper(SubsetRandomSampler(subset, generator=torch.Generator().manual_seed(0)), num_replicas=world, rank=rank, shuffle=False)
+        sampler = wrapper(
+            SubsetRandomSampler(subset, generator=torch.Generator().manual_seed(0)),
+            num_replicas=world,
+            rank=rank,
+            shuffle=False,
+        )
         indices = list(sampler)
         state = GatherState.from_dataloader(DataLoader(MapData(10), sampler=sampler), rank=rank, world_size=world)
         kept += indices[: state.real_samples]
@@ -202,8 +234,15 @@ def test_single_cuda_device_metrics_equal_reference():
     n = 9
     ref = reference(n)
     callback = GatherForMetrics({"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")})
-    tr = L.Trainer(accelerator="gpu", devices=1, callbacks=[callback], logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False)
+    tr = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     metrics = tr.validate(Module(), dataloaders=DataLoader(MapData(n), batch_size=4), verbose=False)[0]
     assert metrics["val/acc"] == pytest.approx(float((ref["preds"] == ref["target"]).float().mean()), abs=1e-7)
     assert callback.results["validate"]["val/acc"].device.type == "cuda"
@@ -212,10 +251,12 @@ def test_single_cuda_device_metrics_equal_reference():
 @pytest.mark.gpu
 def test_metric_copies_follow_the_module_to_another_device_between_runs():
     """Validate on CPU, then on a GPU with the same callback: the copies are re-created on the new device."""
-    callback = GatherForMetrics({
-        "acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro"),
-        "c": torchmetrics.MetricCollection({"rows": RowCount()}),
-    })
+    callback = GatherForMetrics(
+        {
+            "acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro"),
+            "c": torchmetrics.MetricCollection({"rows": RowCount()}),
+        }
+    )
     loader = DataLoader(MapData(9), batch_size=4)
     cpu = trainer(callback).validate(Module(), dataloaders=loader, verbose=False)[0]
     gpu = trainer(callback, accelerator="gpu").validate(Module(), dataloaders=loader, verbose=False)[0]

@@ -81,7 +81,7 @@ def shard_orders(n: int, batch_size: int, world: int) -> tuple[list[int], list[i
     """Unpadded shards: per-batch gathers come back step by step, rank by rank; one epoch-end gather rank by rank."""
     shards = [[int(s[2]) for s in ShardedIterable(n, r, world, padded=False)] for r in range(world)]
     steps = max(-(-len(s) // batch_size) for s in shards)
-    per_batch = [i for step in range(steps) for s in shards for i in s[step * batch_size:(step + 1) * batch_size]]
+    per_batch = [i for step in range(steps) for s in shards for i in s[step * batch_size : (step + 1) * batch_size]]
     return per_batch, [i for s in shards for i in s]
 
 
@@ -99,10 +99,15 @@ def test_logged_validation_metrics_equal_single_process(run, phase, position):
         for prefix, mode in MODES.items():
             assert logged[f"{prefix}/acc/dataloader_idx_{position}"].item() == expected["acc"], f"gather_every={mode!r}"
             assert logged[f"{prefix}/sizes/dataloader_idx_{position}"].item() == sizes, f"gather_every={mode!r}"
-        assert result["results"]["validate"][f"val/acc/dataloader_idx_{position}"].item() == logged[f"val/acc/dataloader_idx_{position}"].item()
+        assert (
+            result["results"]["validate"][f"val/acc/dataloader_idx_{position}"].item()
+            == logged[f"val/acc/dataloader_idx_{position}"].item()
+        )
         # torchmetrics' own sync in the same run counted every evaluated sample, duplicates included
         duplicated = evaluated(kind, n, world)
-        assert logged[f"plain/count/dataloader_idx_{position}"].item() == (len(duplicated) if not shuffle else -(-n // world) * world)
+        assert logged[f"plain/count/dataloader_idx_{position}"].item() == (
+            len(duplicated) if not shuffle else -(-n // world) * world
+        )
         if not shuffle:
             assert logged[f"plain/acc/dataloader_idx_{position}"].item() == metrics_on(duplicated, n)["acc"]
         has_duplicates = logged[f"plain/count/dataloader_idx_{position}"].item() != n
@@ -177,7 +182,14 @@ def test_outputs_ragged_across_ranks_name_the_window_and_the_fix_on_every_rank(r
     _, ranks = run
     for rank, result in enumerate(ranks):
         message = result["ragged"]
-        assert message is not None and message.startswith("CallSiteMismatch: gather_for_metrics: the ranks are not in the same call"), message
+        assert message is not None and message.startswith(
+            "CallSiteMismatch: gather_for_metrics: the ranks are not in the same call"
+        ), message
         window = 1 if rank == 1 else 2
-        assert f"GatherForMetrics gathers its outputs after the same batches on every rank (here a window of {window} batches)" in message
-        assert message.endswith("pad them in the step with lightspeed.pad_across_processes(tensor, dim=1, pad_index=...).")
+        assert (
+            "GatherForMetrics gathers its outputs after the same batches on every rank "
+            f"(here a window of {window} batches)" in message
+        )
+        assert message.endswith(
+            "pad them in the step with lightspeed.pad_across_processes(tensor, dim=1, pad_index=...)."
+        )

@@ -32,8 +32,9 @@ CASE_NAMES = list(CASES)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zero_export")
-    run_torchrun(HERE / "scripts" / "zero_export_fit.py", 2, [out, *CASE_NAMES], env={"DS_ACCELERATOR": "cpu"},
-                 timeout=600)
+    run_torchrun(
+        HERE / "scripts" / "zero_export_fit.py", 2, [out, *CASE_NAMES], env={"DS_ACCELERATOR": "cpu"}, timeout=600
+    )
     return out
 
 
@@ -83,19 +84,38 @@ def test_export_equals_live_weights_and_checkpoint_export(runs, tmp_path, case):
 
 def test_refuses_non_deepspeed_strategy_and_occupied_directory(tmp_path):
     import lightning as L
+
     from lightspeed.callbacks import ZeroExport
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False, max_steps=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        max_steps=1,
+    )
     callback = ZeroExport(tmp_path / "export")
-    with pytest.raises(ExportError, match=r"ZeroExport needs a DeepSpeed strategy .* the trainer uses "
-                                          r"SingleDeviceStrategy"):
+    with pytest.raises(
+        ExportError,
+        match=r"ZeroExport needs a DeepSpeed strategy .* the trainer uses "
+        r"SingleDeviceStrategy",
+    ):
         callback.setup(trainer, LitLM("tiny"), "fit")
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "model.safetensors").write_text("from another run")
-    zero = L.Trainer(strategy="zero2", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                     enable_checkpointing=False, enable_model_summary=False, max_steps=1)
+    zero = L.Trainer(
+        strategy="zero2",
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        max_steps=1,
+    )
     with pytest.raises(ExportError, match=r"output directory .*occupied exists and is not empty; pass overwrite=True"):
         ZeroExport(occupied).setup(zero, LitLM("tiny"), "fit")  # before training starts, not after
     ZeroExport(occupied, overwrite=True).setup(zero, LitLM("tiny"), "fit")
@@ -115,4 +135,3 @@ def test_every_rank_raises_when_rank_zero_fails(runs):
     for outcome in (rank0, rank1):  # a second fit must not replace the first fit's export (overwrite=False)
         assert outcome["second_fit"].startswith("ExportError: output directory ")
         assert "exists and is not empty; pass overwrite=True" in outcome["second_fit"]
-

@@ -7,8 +7,7 @@ import json
 import pytest
 
 from lightspeed.cli.main import main
-from lightspeed.core.deepspeed_config import TrainingFacts, resolve_config, zero_preset
-from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV
+from lightspeed.core.deepspeed_config import NVME_PATH_ENV, TrainingFacts, resolve_config, zero_preset
 
 
 def _config(capsys, *argv: str) -> dict:
@@ -18,18 +17,41 @@ def _config(capsys, *argv: str) -> dict:
 
 @pytest.mark.parametrize(
     ("name", "kwargs"),
-    [("zero1", {"stage": 1}), ("zero2_offload", {"stage": 2, "offload_optimizer": "cpu"}),
-     ("zero3_offload", {"stage": 3, "offload_optimizer": "cpu", "offload_parameters": "cpu"})],
+    [
+        ("zero1", {"stage": 1}),
+        ("zero2_offload", {"stage": 2, "offload_optimizer": "cpu"}),
+        ("zero3_offload", {"stage": 3, "offload_optimizer": "cpu", "offload_parameters": "cpu"}),
+    ],
 )
 def test_without_flags_every_trainer_value_stays_auto(capsys, name, kwargs):
     assert _config(capsys, name) == zero_preset(**kwargs)
 
 
 def test_flags_resolve_their_keys_like_the_strategy_does(capsys):
-    got = _config(capsys, "zero3_offload", "--micro-batch-size", "4", "--accumulate", "8", "--devices", "2",
-                  "--precision", "bf16-mixed", "--gradient-clip", "1.0", "--hidden-size", "1024")
-    facts = TrainingFacts(world_size=2, micro_batch_size=4, accumulate_grad_batches=8, gradient_clip_val=1.0,
-                          precision="bf16-mixed", hidden_size=1024)
+    got = _config(
+        capsys,
+        "zero3_offload",
+        "--micro-batch-size",
+        "4",
+        "--accumulate",
+        "8",
+        "--devices",
+        "2",
+        "--precision",
+        "bf16-mixed",
+        "--gradient-clip",
+        "1.0",
+        "--hidden-size",
+        "1024",
+    )
+    facts = TrainingFacts(
+        world_size=2,
+        micro_batch_size=4,
+        accumulate_grad_batches=8,
+        gradient_clip_val=1.0,
+        precision="bf16-mixed",
+        hidden_size=1024,
+    )
     assert got == resolve_config(zero_preset(3, "cpu", "cpu"), facts)
     assert "auto" not in json.dumps(got)
 
@@ -50,10 +72,15 @@ def test_nvme_needs_a_path_and_uses_it(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv(NVME_PATH_ENV, raising=False)
     assert main(["config", "zero3_nvme"]) == 2
     assert capsys.readouterr().err == (
-        "lightspeed config: error: zero3_nvme offloads to NVMe: pass --nvme-path DIR (a directory on the NVMe drive) "
-        "or set LIGHTSPEED_NVME_PATH.\n")
+        "lightspeed config: error: zero3_nvme offloads to NVMe: pass --nvme-path DIR (a directory on an NVMe drive) "
+        "or set LIGHTSPEED_NVME_PATH.\n"
+    )
     got = _config(capsys, "zero3_nvme", "--nvme-path", str(tmp_path))
-    assert got["zero_optimization"]["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": str(tmp_path)}
+    assert got["zero_optimization"]["offload_param"] == {
+        "device": "nvme",
+        "pin_memory": True,
+        "nvme_path": str(tmp_path),
+    }
     # the strategy's fallback: $LIGHTSPEED_NVME_PATH, made absolute and created like ZeroStrategy does
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(NVME_PATH_ENV, "swap")

@@ -7,8 +7,8 @@ import json
 import platform
 
 from lightspeed.cli.env_command import strategies
-from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV
 from lightspeed.cli.main import main
+from lightspeed.core.deepspeed_config import NVME_PATH_ENV
 
 
 def test_reports_versions_devices_ops_and_strategies(capsys):
@@ -22,7 +22,16 @@ def test_reports_versions_devices_ops_and_strategies(capsys):
     assert data["devices"]["cpu_cores"] >= 1 and data["devices"]["host_memory_total_bytes"] > 0
     assert {"cpu_adam", "async_io"} <= set(data["deepspeed_ops"])
     names = set(data["strategies"])
-    assert {"zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_nvme", "zero_auto", "ddp_exact"} <= names
+    assert {
+        "zero1",
+        "zero2",
+        "zero2_offload",
+        "zero3",
+        "zero3_offload",
+        "zero3_nvme",
+        "zero_auto",
+        "ddp_exact",
+    } <= names
     assert data["strategies"]["zero2"] is None  # plain ZeRO-2 needs no compiled op: it runs wherever DeepSpeed does
     assert main(["env"]) == 0
     text = capsys.readouterr().out
@@ -39,12 +48,14 @@ def test_strategy_verdicts_follow_the_ops(monkeypatch):
     assert verdicts["zero3_offload"] == verdicts["zero2_offload"]
     no_aio = {"cpu_adam": usable, "async_io": {"usable": False, "why": "missing libaio: apt-get install libaio-dev"}}
     assert strategies(no_aio, versions)["zero3_nvme"] == (
-        "DeepSpeed's async_io op is not usable: missing libaio: apt-get install libaio-dev")
+        "DeepSpeed's async_io op is not usable: missing libaio: apt-get install libaio-dev"
+    )
     assert strategies(None, versions)["zero2"] == "DeepSpeed is not installed (pip install deepspeed)"
     assert "needs torch_xla" in strategies(broken_adam, versions)["xla_exact"]
     all_usable = {"cpu_adam": usable, "async_io": usable}
     monkeypatch.delenv(NVME_PATH_ENV, raising=False)
     assert strategies(all_usable, versions)["zero3_nvme"] == (
-        "can run, given nvme_path= or $LIGHTSPEED_NVME_PATH (a directory on an NVMe drive)")
+        "can run, given nvme_path= or $LIGHTSPEED_NVME_PATH (a directory on an NVMe drive)"
+    )
     monkeypatch.setenv(NVME_PATH_ENV, "/tmp/swap")
     assert strategies(all_usable, versions)["zero3_nvme"] is None

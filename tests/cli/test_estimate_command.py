@@ -12,8 +12,19 @@ import torch
 from lightspeed.cli.main import main
 from lightspeed.core.memory import ZERO_OPTIONS, Accounting, Budgets, Cluster, ModelCounts, plan
 
-ARGS_7B = ["estimate", "--params", "7e9", "--largest-layer", "1.3e8", "--devices", "1", "--gpu-memory", "80GB",
-           "--cpu-memory", "256GB"]
+ARGS_7B = [
+    "estimate",
+    "--params",
+    "7e9",
+    "--largest-layer",
+    "1.3e8",
+    "--devices",
+    "1",
+    "--gpu-memory",
+    "80GB",
+    "--cpu-memory",
+    "256GB",
+]
 
 
 def test_json_matches_the_planner(capsys):
@@ -22,7 +33,7 @@ def test_json_matches_the_planner(capsys):
     expected = plan(ModelCounts(7_000_000_000, 130_000_000), Cluster(1), Budgets(80 * 10**9, 256 * 10**9), Accounting())
     assert data["choice"] == expected.choice.estimate.option.name
     assert [o["name"] for o in data["options"]] == [o.name for o in ZERO_OPTIONS]
-    for option, verdict in zip(data["options"], expected.verdicts):
+    for option, verdict in zip(data["options"], expected.verdicts, strict=False):
         assert option["device_bytes"]["total"] == verdict.estimate.device.total
         assert option["host_bytes_per_node"]["total"] == verdict.estimate.host.total
         assert option["fits"] == verdict.fits
@@ -38,7 +49,8 @@ def test_table_marks_every_option_and_the_pick(capsys):
 
 
 def test_factory_is_built_on_the_meta_device(tmp_path, monkeypatch, capsys):
-    (tmp_path / "cli_estimate_models.py").write_text(textwrap.dedent("""
+    (tmp_path / "cli_estimate_models.py").write_text(
+        textwrap.dedent("""
         import torch
 
         def build():
@@ -47,10 +59,25 @@ def test_factory_is_built_on_the_meta_device(tmp_path, monkeypatch, capsys):
 
         def not_a_model():
             return [1, 2, 3]
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert main(["estimate", "cli_estimate_models:build", "--devices", "2", "--gpu-memory", "24GiB",
-                 "--cpu-memory", "64GiB", "--json"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "cli_estimate_models:build",
+                "--devices",
+                "2",
+                "--gpu-memory",
+                "24GiB",
+                "--cpu-memory",
+                "64GiB",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["model"] == {"total_params": 50000 * 4096 + 4096 * 4096 + 4096, "largest_layer_params": 50000 * 4096}
     assert data["cluster"] == {"nodes": 1, "devices_per_node": 2}
@@ -71,15 +98,28 @@ def test_factory_is_built_on_the_meta_device(tmp_path, monkeypatch, capsys):
         (["estimate", "--params", "0", "--largest-layer", "1"], "--params must be a positive number, got '0'"),
         (["estimate", "--params", "7e9"], "--params needs --largest-layer"),
         (["estimate"], "say what to estimate"),
-        (["estimate", "--params", "10", "--largest-layer", "1", "--devices", "0"], "devices per node must be at least 1, got 0"),
-        (["estimate", "--params", "10", "--largest-layer", "1", "--gpu-memory", "lots"], "Cannot read --gpu-memory 'lots'"),
-        (["estimate", "--params", "10", "--largest-layer", "1", "--precision", "64-true"], "Unsupported precision '64-true'"),
+        (
+            ["estimate", "--params", "10", "--largest-layer", "1", "--devices", "0"],
+            "devices per node must be at least 1, got 0",
+        ),
+        (
+            ["estimate", "--params", "10", "--largest-layer", "1", "--gpu-memory", "lots"],
+            "Cannot read --gpu-memory 'lots'",
+        ),
+        (
+            ["estimate", "--params", "10", "--largest-layer", "1", "--precision", "64-true"],
+            "Unsupported precision '64-true'",
+        ),
         (["estimate", "--params", "10", "--largest-layer", "1", "--precision", "16"], "Unsupported precision '16'"),
         # a bare number could be bytes or GiB: the message says how to write it
-        (["estimate", "--params", "10", "--largest-layer", "1", "--gpu-memory", "80"],
-         "--gpu-memory '80' has no unit: write e.g. '80GB' (10^9 bytes) or '80GiB' (2^30 bytes)."),
-        (["estimate", "--params", "10", "--largest-layer", "1", "--cpu-memory", "256"],
-         "--cpu-memory '256' has no unit: write e.g. '256GB' (10^9 bytes) or '256GiB' (2^30 bytes)."),
+        (
+            ["estimate", "--params", "10", "--largest-layer", "1", "--gpu-memory", "80"],
+            "--gpu-memory '80' has no unit: write e.g. '80GB' (10^9 bytes) or '80GiB' (2^30 bytes).",
+        ),
+        (
+            ["estimate", "--params", "10", "--largest-layer", "1", "--cpu-memory", "256"],
+            "--cpu-memory '256' has no unit: write e.g. '256GB' (10^9 bytes) or '256GiB' (2^30 bytes).",
+        ),
     ],
 )
 def test_bad_input_is_one_message_and_exit_2(capsys, argv, message):
@@ -91,8 +131,19 @@ def test_bad_input_is_one_message_and_exit_2(capsys, argv, message):
 
 
 def test_nothing_fits_prints_the_table_and_what_would_fit(capsys):
-    argv = ["estimate", "--params", "70e9", "--largest-layer", "1.3e9", "--devices", "8", "--gpu-memory", "80GB",
-            "--cpu-memory", "500GB"]
+    argv = [
+        "estimate",
+        "--params",
+        "70e9",
+        "--largest-layer",
+        "1.3e9",
+        "--devices",
+        "8",
+        "--gpu-memory",
+        "80GB",
+        "--cpu-memory",
+        "500GB",
+    ]
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert "Choice: none; no option fits." in captured.out

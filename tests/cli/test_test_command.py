@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from lightspeed.cli.main import main
-from lightspeed.cli.test_command import compare_ranks, diagnose, run_process_group
-from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV
+from lightspeed.cli.selftest.checks import compare_ranks, diagnose
+from lightspeed.cli.selftest.runner import run_process_group
+from lightspeed.core.deepspeed_config import NVME_PATH_ENV
 
 
 def test_zero2_on_two_cpu_processes_is_ready(capsys):
@@ -36,8 +37,24 @@ def test_a_run_that_breaks_fails_with_the_cause(capsys, tmp_path):
     (tmp_path / "logs" / "old").mkdir(parents=True)
     (tmp_path / "logs" / "old" / "stderr.log").write_text("fatal error: libaio.h: No such file or directory")
     # fp16 has no CPU kernels in DeepSpeed: every rank stops in Trainer(...) with the strategy's message
-    assert main(["test", "--strategy", "zero2", "--devices", "2", "--accelerator", "cpu", "--precision", "16-mixed",
-                 "--keep", str(tmp_path)]) == 1
+    assert (
+        main(
+            [
+                "test",
+                "--strategy",
+                "zero2",
+                "--devices",
+                "2",
+                "--accelerator",
+                "cpu",
+                "--precision",
+                "16-mixed",
+                "--keep",
+                str(tmp_path),
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "  FAIL  the run finished: exit code 1: " in out
     assert "`precision='16-mixed'` needs a CUDA GPU" in out
@@ -72,8 +89,9 @@ def _alive(pid: int) -> bool:
 def test_a_hung_launch_is_killed_with_all_its_workers(tmp_path):
     pid_file = tmp_path / "worker.pid"
     started = time.monotonic()
-    proc = run_process_group([sys.executable, "-c", _HANGING_LAUNCHER, str(pid_file)], dict(os.environ), timeout=8,
-                             grace=1)
+    proc = run_process_group(
+        [sys.executable, "-c", _HANGING_LAUNCHER, str(pid_file)], dict(os.environ), timeout=8, grace=1
+    )
     assert proc.returncode == 124
     assert proc.stdout == "worker started\n"  # output up to the timeout is kept for the diagnosis
     assert proc.stderr.endswith("\nTimed out after 8 s")
@@ -86,8 +104,16 @@ def test_a_hung_launch_is_killed_with_all_its_workers(tmp_path):
 
 
 def _result(rank: int) -> dict:
-    return {"rank": rank, "world_size": 2, "steps": 3, "losses": [1.0, 0.9, 0.8], "initial_weights": "a" * 64,
-            "final_weights": "b" * 64, "rng_after_seed": {"torch": [0.1]}, "rng_after_training": "c" * 64}
+    return {
+        "rank": rank,
+        "world_size": 2,
+        "steps": 3,
+        "losses": [1.0, 0.9, 0.8],
+        "initial_weights": "a" * 64,
+        "final_weights": "b" * 64,
+        "rng_after_seed": {"torch": [0.1]},
+        "rng_after_training": "c" * 64,
+    }
 
 
 def test_rank_comparison_passes_when_everything_agrees():
@@ -120,7 +146,9 @@ def test_missing_rank_and_unchanged_weights_fail():
     checks = {c.name: c for c in compare_ranks([_result(0)], world_size=2, steps=3)}
     assert not checks["processes started"].passed and checks["processes started"].detail == "ranks [0] of 2"
     frozen = _result(0) | {"final_weights": "a" * 64}
-    checks = {c.name: c for c in compare_ranks([frozen, _result(1) | {"final_weights": "a" * 64}], world_size=2, steps=3)}
+    checks = {
+        c.name: c for c in compare_ranks([frozen, _result(1) | {"final_weights": "a" * 64}], world_size=2, steps=3)
+    }
     assert not checks["optimizer changed the weights"].passed
 
 
@@ -128,7 +156,10 @@ def test_missing_rank_and_unchanged_weights_fail():
     ("log", "fix"),
     [
         ("RuntimeError: Ninja is required to load C++ extensions", "pip install ninja"),
-        ("/bin/sh: 1: c++: not found\nRuntimeError: Error building extension 'cpu_adam'", "apt-get install build-essential"),
+        (
+            "/bin/sh: 1: c++: not found\nRuntimeError: Error building extension 'cpu_adam'",
+            "apt-get install build-essential",
+        ),
         ("error: command 'g++' failed: No such file or directory", "apt-get install build-essential"),
         ("fatal error: libaio.h: No such file or directory", "apt-get install libaio-dev"),
         ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "ran out of memory"),
@@ -147,7 +178,9 @@ def test_bad_arguments_exit_2(capsys, monkeypatch):
     assert main(["test", "--strategy", "zero2_ofload"]) == 2
     assert "Unknown strategy 'zero2_ofload'. Did you mean 'zero2_offload'?" in capsys.readouterr().err
     assert main(["test", "--strategy", "zero3_nvme", "--accelerator", "cpu"]) == 2
-    assert "zero3_nvme offloads to NVMe: pass --nvme-path DIR (a directory on an NVMe drive) or set " \
-           "LIGHTSPEED_NVME_PATH." in capsys.readouterr().err
+    assert (
+        "zero3_nvme offloads to NVMe: pass --nvme-path DIR (a directory on an NVMe drive) or set "
+        "LIGHTSPEED_NVME_PATH." in capsys.readouterr().err
+    )
     assert main(["test", "--steps", "0", "--accelerator", "cpu"]) == 2
     assert "--steps must be at least 1, got 0" in capsys.readouterr().err

@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
-import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from lightspeed.core.accumulation import (
-    AccumulationWindows,
-    ExactAccumulator,
-    count_samples,
-    scale_gradients,
-    skip_gradient_sync,
+from lightspeed.core.accumulation import ExactAccumulator, scale_gradients, skip_gradient_sync
+
+_spec = importlib.util.spec_from_file_location(
+    "accumulation_cases", Path(__file__).parents[1] / "strategies" / "scripts" / "accumulation_cases.py"
 )
+_cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_cases)
+AccumulationWindows = _cases.AccumulationWindows  # the plain-loop reference windows (test-only)
 
 TOL = dict(rtol=0.0, atol=1e-6)
 
 
-# --------------------------------------------------------------------------------------------- window arithmetic
+# ------------------------------------------------------------------- window arithmetic of the reference windows
 def test_ten_batches_with_four_per_window_end_in_a_short_window_of_two():
     windows = AccumulationWindows(4, num_batches=10)
     assert [b for b in range(10) if windows.is_boundary(b)] == [3, 7, 9]
@@ -98,7 +100,7 @@ def test_mean_losses_of_uneven_micro_batches_weigh_by_sample_count(normalized_by
         (loss * accumulator.record(loss, num_samples=len(xb), normalized_by=normalized_by)).backward()
     factor = accumulator.finish_window(model.parameters())
     assert factor == pytest.approx(1 / 9)
-    for got, expected in zip((p.grad for p in model.parameters()), _full_batch_grads(x, y)):
+    for got, expected in zip((p.grad for p in model.parameters()), _full_batch_grads(x, y), strict=True):
         torch.testing.assert_close(got, expected, **TOL)
 
 
@@ -110,7 +112,7 @@ def test_summed_losses_with_num_items_give_the_mean_over_all_items():
         loss_sum = nn.functional.mse_loss(model(x[indices]), y[indices], reduction="sum")
         (loss_sum * accumulator.record(loss_sum, num_items=torch.tensor(len(indices)))).backward()
     accumulator.finish_window(model.parameters())
-    for got, expected in zip((p.grad for p in model.parameters()), _full_batch_grads(x, y)):
+    for got, expected in zip((p.grad for p in model.parameters()), _full_batch_grads(x, y), strict=True):
         torch.testing.assert_close(got, expected, **TOL)
 
 
@@ -166,10 +168,17 @@ def test_num_items_from_only_some_micro_batches_is_an_error():
 @pytest.mark.parametrize(
     ("loss", "error", "message"),
     [
-        (torch.ones(3), ValueError, r"training_step must return a scalar loss for exact gradient accumulation, got a "
-                                    r"tensor of shape \(3,\)\. Reduce it first: loss\.mean\(\), or loss\.sum\(\)"),
-        (2.0, TypeError, "training_step must return the loss as a torch.Tensor for exact gradient accumulation, "
-                         "got float"),
+        (
+            torch.ones(3),
+            ValueError,
+            r"training_step must return a scalar loss for exact gradient accumulation, got a "
+            r"tensor of shape \(3,\)\. Reduce it first: loss\.mean\(\), or loss\.sum\(\)",
+        ),
+        (
+            2.0,
+            TypeError,
+            "training_step must return the loss as a torch.Tensor for exact gradient accumulation, got float",
+        ),
     ],
 )
 def test_non_scalar_loss_is_an_error(loss, error, message):
@@ -192,27 +201,6 @@ def test_bad_num_items_is_an_error(num_items, error, message):
 
 
 # --------------------------------------------------------------------------------------------------- small tools
-@dataclasses.dataclass
-class _Batch:
-    name: str
-    tokens: torch.Tensor
-
-
-@pytest.mark.parametrize(
-    ("batch", "expected"),
-    [
-        (torch.zeros(5, 2), 5),
-        ({"ids": torch.zeros(3, 7), "mask": torch.zeros(3, 7)}, 3),
-        (("text", [torch.zeros(4)]), 4),
-        (_Batch("x", torch.zeros(6, 2)), 6),
-        (torch.tensor(1.0), None),
-        (["a", 3], None),
-    ],
-)
-def test_count_samples_reads_the_first_batch_dimension(batch, expected):
-    assert count_samples(batch) == expected
-
-
 def test_scale_gradients_multiplies_existing_gradients_only():
     a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3, dtype=torch.float64))
     frozen = nn.Parameter(torch.ones(1))

@@ -48,7 +48,9 @@ def test_not_a_checkpoint(tmp_path):
         export_checkpoint(tmp_path / "empty", tmp_path / "out")
     single = tmp_path / "model.ckpt"
     torch.save({"state_dict": {}}, single)
-    with pytest.raises(CheckpointError, match=r"model.ckpt: the checkpoint's 'state_dict' holds no entries; there is nothing to export"):
+    with pytest.raises(
+        CheckpointError, match=r"model.ckpt: the checkpoint's 'state_dict' holds no entries; there is nothing to export"
+    ):
         export_checkpoint(single, tmp_path / "out")
     with pytest.raises(CheckpointError, match=r"nowhere: no such checkpoint"):
         export_checkpoint(tmp_path / "nowhere", tmp_path / "out")
@@ -58,8 +60,11 @@ def test_not_a_checkpoint(tmp_path):
 def test_missing_rank_file(root, tmp_path):
     ckpt, tag = copy_of(root, "s2_cpu_fp32", tmp_path)
     (ckpt / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"is missing the optimizer file of rank\(s\) \[1\] "
-                                              r"\(zero_pp_rank_1_mp_rank_00_optim_states.pt\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"is missing the optimizer file of rank\(s\) \[1\] "
+        r"\(zero_pp_rank_1_mp_rank_00_optim_states.pt\)",
+    ):
         export_checkpoint(ckpt, tmp_path / "out")
     assert_untouched(tmp_path / "out", None)
 
@@ -67,8 +72,11 @@ def test_missing_rank_file(root, tmp_path):
 def test_missing_stage3_model_states(root, tmp_path):
     ckpt, tag = copy_of(root, "s3_cpu_fp32", tmp_path)
     (ckpt / tag / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"missing the model states of rank\(s\) \[1\] "
-                                              r"\(zero_pp_rank_1_mp_rank_00_model_states.pt\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing the model states of rank\(s\) \[1\] "
+        r"\(zero_pp_rank_1_mp_rank_00_model_states.pt\)",
+    ):
         export_checkpoint(ckpt, tmp_path / "out")
 
 
@@ -76,8 +84,11 @@ def test_files_from_different_saves(root, tmp_path):
     ckpt, _ = copy_of(root, "mix_s2_none_fp32", tmp_path)
     name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     shutil.copy(ckpt / "step3" / name, ckpt / "step2" / name)
-    with pytest.raises(CheckpointError, match=rf"step2/{name} is at optimizer step \[3.0\], .* at step \[2.0\]: "
-                                              r"files from different saves are mixed"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"step2/{name} is at optimizer step \[3.0\], .* at step \[2.0\]: "
+        r"files from different saves are mixed",
+    ):
         export_checkpoint(ckpt, tmp_path / "out", tag="step2")
 
 
@@ -86,17 +97,25 @@ def test_files_from_different_runs(root, tmp_path):
     other, other_tag, _ = checkpoint_of(root, "s3_nvme_fp32_big")
     name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     shutil.copy(other / other_tag / name, ckpt / tag / name)
-    with pytest.raises(CheckpointError, match=rf"{name} has \d+ sub-groups, the model states \d+: files from "
-                                              r"different runs are mixed"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{name} has \d+ sub-groups, the model states \d+: files from "
+        r"different runs are mixed",
+    ):
         export_checkpoint(ckpt, tmp_path / "out")
 
 
 def test_extra_rank_from_a_bigger_run(root, tmp_path):
     ckpt, tag = copy_of(root, "s2_cpu_fp32", tmp_path)
-    shutil.copy(ckpt / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
-                ckpt / tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt")
-    with pytest.raises(CheckpointError, match=r"zero_pp_rank_2_mp_rank_00_optim_states.pt belongs to a run with more "
-                                              r"ranks: the other files .* were saved by 2 ranks"):
+    shutil.copy(
+        ckpt / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        ckpt / tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt",
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"zero_pp_rank_2_mp_rank_00_optim_states.pt belongs to a run with more "
+        r"ranks: the other files .* were saved by 2 ranks",
+    ):
         export_checkpoint(ckpt, tmp_path / "out")
 
 
@@ -104,8 +123,11 @@ def test_truncated_rank_file(root, tmp_path):
     ckpt, tag = copy_of(root, "s3_cpu_fp32", tmp_path)
     victim = ckpt / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states.pt is truncated or not a "
-                                              r"torch.save file"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"zero_pp_rank_1_mp_rank_00_optim_states.pt is truncated or not a "
+        r"torch.save file",
+    ):
         export_checkpoint(ckpt, tmp_path / "out")
     assert_untouched(tmp_path / "out", None)
 
@@ -119,8 +141,11 @@ def test_truncated_or_missing_nvme_swap_file(root, tmp_path):
     with pytest.raises(CheckpointError, match=rf"{swaps[0].name} is truncated: it has \d+ bytes, the sub-group needs"):
         export_checkpoint(ckpt, tmp_path / "out")
     shutil.rmtree(ckpt / tag / "offloaded_tensors")
-    with pytest.raises(CheckpointError, match=r"NVMe optimizer offload, but .*offloaded_tensors/rank00 with "
-                                              r"DeepSpeed's swap files is missing"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"NVMe optimizer offload, but .*offloaded_tensors/rank00 with "
+        r"DeepSpeed's swap files is missing",
+    ):
         export_checkpoint(ckpt, tmp_path / "out")
 
 
@@ -129,8 +154,11 @@ def test_unknown_tag_and_stale_latest(root, tmp_path):
     with pytest.raises(CheckpointError, match=r"unknown tag 'global_step9' in .*ckpt; available tags: step2, step3"):
         export_checkpoint(ckpt, tmp_path / "out", tag="global_step9")
     (ckpt / "latest").write_text("global_step9")
-    with pytest.raises(CheckpointError, match=r"latest names the tag 'global_step9', but .* holds no "
-                                              r"'\*_model_states.pt' file; available tags: step2, step3"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"latest names the tag 'global_step9', but .* holds no "
+        r"'\*_model_states.pt' file; available tags: step2, step3",
+    ):
         export_checkpoint(ckpt, tmp_path / "out")
 
 
@@ -168,8 +196,11 @@ def test_bad_options(root, tmp_path):
         export_checkpoint(ckpt, tmp_path / "out", dtype="int8")
     with pytest.raises(ExportError, match=r"Unknown unit 'gigs' in max shard size '2 gigs': use B, KB"):
         export_checkpoint(ckpt, tmp_path / "out", max_shard_size="2 gigs")
-    with pytest.raises(ExportError, match=r"no key starts with the prefix 'model.' to strip; the keys begin like: "
-                                          r"position_scale, seen_batches, embed.weight"):
+    with pytest.raises(
+        ExportError,
+        match=r"no key starts with the prefix 'model.' to strip; the keys begin like: "
+        r"position_scale, seen_batches, embed.weight",
+    ):
         export_checkpoint(ckpt, tmp_path / "out", strip_prefix="model.")
     ckpt0, _, _ = checkpoint_of(root, "s0_none_fp32")
     with pytest.raises(ExportError, match=r"a ZeRO stage 0 checkpoint does not record which parameters were frozen"):
@@ -182,13 +213,19 @@ def test_load_exported_mismatch_lists_keys(root, tmp_path):
     export_checkpoint(ckpt, tmp_path / "out")
     bigger = TinyLM(big=True)
     before = {k: v.clone() for k, v in bigger.state_dict().items()}
-    with pytest.raises(ExportError, match=r"does not match TinyLM: missing keys \(in the module, not in the export\): "
-                                          r"\['big.weight', 'big.bias'\]"):
+    with pytest.raises(
+        ExportError,
+        match=r"does not match TinyLM: missing keys \(in the module, not in the export\): "
+        r"\['big.weight', 'big.bias'\]",
+    ):
         load_exported(bigger, tmp_path / "out")
     holder = torch.nn.Module()
     holder.net = TinyLM()
-    with pytest.raises(ExportError, match=r"missing keys .*'net.position_scale'.*; unexpected keys \(in the export, "
-                                          r"not in the module\): \['down.bias', 'down.weight', "):
+    with pytest.raises(
+        ExportError,
+        match=r"missing keys .*'net.position_scale'.*; unexpected keys \(in the export, "
+        r"not in the module\): \['down.bias', 'down.weight', ",
+    ):
         load_exported(holder, tmp_path / "out")
     narrow = TinyLM()
     narrow.up = torch.nn.Linear(24, 5)

@@ -63,8 +63,9 @@ def expected(reference: dict, name: str) -> torch.Tensor:
     return reference["fp32"][name]
 
 
-def assert_matches_live(tensors: dict[str, torch.Tensor], reference: dict, dtype: torch.dtype = torch.float32,
-                        rename=lambda n: n) -> None:
+def assert_matches_live(
+    tensors: dict[str, torch.Tensor], reference: dict, dtype: torch.dtype = torch.float32, rename=lambda n: n
+) -> None:
     for name, tensor in tensors.items():
         live = expected(reference, rename(name))
         if live.is_floating_point():
@@ -189,8 +190,11 @@ def test_exclude_frozen(root, tmp_path):
     assert set(tensors) | set(tied) == set(reference["state_dict_keys"]) - {"frozen_proj.weight", "frozen_proj.bias"}
     fresh = TinyLM()
     before = fresh.frozen_proj.weight.detach().clone()
-    with pytest.raises(ExportError, match=r"missing keys \(in the module, not in the export\): "
-                                          r"\['frozen_proj.weight', 'frozen_proj.bias'\]"):
+    with pytest.raises(
+        ExportError,
+        match=r"missing keys \(in the module, not in the export\): "
+        r"\['frozen_proj.weight', 'frozen_proj.bias'\]",
+    ):
         load_exported(fresh, tmp_path / "out")
     result = load_exported(fresh, tmp_path / "out", strict=False)
     assert result.missing_keys == ["frozen_proj.weight", "frozen_proj.bias"] and result.unexpected_keys == []

@@ -136,11 +136,17 @@ def test_export_reads_each_stored_tensor_once_and_nothing_else(trained, tmp_path
 
 def test_options_a_single_file_cannot_honour(trained, tmp_path):
     ckpt, _ = trained
-    with pytest.raises(ExportError, match=r"model.ckpt: a single-file Lightning checkpoint does not record which "
-                                          r"parameters were frozen .* so exclude_frozen cannot be honoured"):
+    with pytest.raises(
+        ExportError,
+        match=r"model.ckpt: a single-file Lightning checkpoint does not record which "
+        r"parameters were frozen .* so exclude_frozen cannot be honoured",
+    ):
         export_checkpoint(ckpt, tmp_path / "out", exclude_frozen=True)
-    with pytest.raises(CheckpointError, match=r"model.ckpt is a single-file checkpoint, which has no tags; leave out "
-                                              r"tag=\.\.\. \(--tag on the command line\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.ckpt is a single-file checkpoint, which has no tags; leave out "
+        r"tag=\.\.\. \(--tag on the command line\)",
+    ):
         export_checkpoint(ckpt, tmp_path / "out", tag="checkpoint")
     with pytest.raises(ExportError, match=r"no key starts with the prefix 'encoder.' to strip"):
         export_checkpoint(ckpt, tmp_path / "out", strip_prefix="encoder.")
@@ -151,14 +157,21 @@ def _bad_files(ckpt: Path, folder: Path) -> dict[str, tuple[Path, str]]:
     """Broken or foreign files and the message each must give."""
     weights = {"w": torch.ones(3)}
     cases = {
-        "no_state_dict": ({"weights": weights, "epoch": 1},
-                          r"other.ckpt is not a Lightning checkpoint: it has no 'state_dict' entry \(top-level keys: "
-                          r"'weights', 'epoch'\); save it with trainer.save_checkpoint"),
-        "bare_state_dict": (weights, r"is not a Lightning checkpoint: it has no 'state_dict' entry and looks like a "
-                                     r"bare state dict; wrap it first"),
+        "no_state_dict": (
+            {"weights": weights, "epoch": 1},
+            r"other.ckpt is not a Lightning checkpoint: it has no 'state_dict' entry \(top-level keys: "
+            r"'weights', 'epoch'\); save it with trainer.save_checkpoint",
+        ),
+        "bare_state_dict": (
+            weights,
+            r"is not a Lightning checkpoint: it has no 'state_dict' entry and looks like a "
+            r"bare state dict; wrap it first",
+        ),
         "not_a_dict": ([torch.ones(2)], r"is not a Lightning checkpoint: it holds a list, not a dict"),
-        "deepspeed_rank_file": ({"module": weights, "ds_version": "0.19"},
-                                r"is one rank file of a DeepSpeed checkpoint .* pass the checkpoint directory"),
+        "deepspeed_rank_file": (
+            {"module": weights, "ds_version": "0.19"},
+            r"is one rank file of a DeepSpeed checkpoint .* pass the checkpoint directory",
+        ),
         "empty": ({"state_dict": {}}, r"the checkpoint's 'state_dict' holds no entries; there is nothing to export"),
     }
     made = {}
@@ -176,7 +189,7 @@ def _bad_files(ckpt: Path, folder: Path) -> dict[str, tuple[Path, str]]:
     corrupt = folder / "corrupt.ckpt"  # the bytes of one tensor cut out of the middle: every later record moves
     last = max(read_lightning_file(ckpt).tensors, key=lambda t: t.pieces[0].offset).pieces[0]
     data = ckpt.read_bytes()
-    corrupt.write_bytes(data[: last.offset] + data[last.offset + last.numel * last.itemsize:])
+    corrupt.write_bytes(data[: last.offset] + data[last.offset + last.numel * last.itemsize :])
     made["corrupt"] = (corrupt, r"corrupt.ckpt is truncated or corrupt \(Bad magic number")
     return made
 

@@ -40,10 +40,18 @@ def as_outputs(tensors: dict[str, torch.Tensor], produced: list[str] | None = No
     return [OutputTensor(n, tuple(v.shape), v.dtype, producer(n, v)) for n, v in tensors.items()]
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("2GB", 2 * 10**9), ("500MB", 500 * 10**6), ("1GiB", 2**30), ("4kb", 4000), ("1.5GB", 1_500_000_000),
-    (1234, 1234), (None, None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("2GB", 2 * 10**9),
+        ("500MB", 500 * 10**6),
+        ("1GiB", 2**30),
+        ("4kb", 4000),
+        ("1.5GB", 1_500_000_000),
+        (1234, 1234),
+        (None, None),
+    ],
+)
 def test_parse_shard_size(text, expected):
     assert parse_shard_size(text) == expected
 
@@ -163,6 +171,7 @@ def test_live_export_reports_non_tensor_entries(tmp_path):
     from types import SimpleNamespace
 
     from lightspeed.core.checkpoint.live import export_engine
+    from lightspeed.core.checkpoint.options import ExportOptions
 
     class Noted(torch.nn.Linear):
         def get_extra_state(self) -> dict:
@@ -178,7 +187,7 @@ def test_live_export_reports_non_tensor_entries(tmp_path):
 
     module = Wrapper()
     engine = SimpleNamespace(module=module, zero_optimization_stage=lambda: 0)
-    result = export_engine(engine, tmp_path / "out", max_shard_size=None)
+    result = export_engine(engine, tmp_path / "out", ExportOptions(max_shard_size=None))
     assert result.skipped == ["0._extra_state"]
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(exported) == ["0.bias", "0.weight"]

@@ -37,13 +37,13 @@ def test_conversion_keeps_groups_and_matches_torch(kind) -> None:
     converted = to_deepspeed_cpu_adam(original)
     assert type(converted).__name__ == "DeepSpeedCPUAdam"
     assert converted.adam_w_mode is (kind is torch.optim.AdamW)
-    for before, after in zip(original.param_groups, converted.param_groups):
+    for before, after in zip(original.param_groups, converted.param_groups, strict=False):
         for key in ("lr", "betas", "eps", "weight_decay"):
             assert after[key] == before[key]
         assert after["params"] == before["params"]
     _run(reference, reference_params)
     _run(converted, converted_params)
-    for expected, actual in zip(reference_params, converted_params):
+    for expected, actual in zip(reference_params, converted_params, strict=False):
         torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
     line = describe_conversion(original, converted)
     assert line.startswith(f"Optimizer offload: `{kind.__name__}` runs as DeepSpeed's `DeepSpeedCPUAdam`")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
 from lightspeed.core.deepspeed_config import find_hidden_size
@@ -19,8 +18,14 @@ def test_gpt2_uses_config_n_embd():
 
 def test_llama_inside_a_wrapper_module():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=88, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=88,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
 
     class Wrapper(nn.Module):  # like a LightningModule holding the HF model as an attribute
         def __init__(self) -> None:
@@ -51,4 +56,3 @@ def test_plain_mlp_uses_widest_linear_input():
 def test_no_linear_gives_none():
     assert find_hidden_size(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())) is None
     assert find_hidden_size(nn.Module()) is None
-

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchmetrics
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -46,7 +46,9 @@ def expected(name: str, world: int) -> dict:
         per_batch = epoch = [i for i in perm if i in set(real)]
     elif kind == "iterable_nolen":  # shards: rank by rank (per batch step, then per rank)
         steps = max(len(b) for b in batches)
-        per_batch = [i for s in range(steps) for r in range(world) for i in (batches[r][s] if s < len(batches[r]) else [])]
+        per_batch = [
+            i for s in range(steps) for r in range(world) for i in (batches[r][s] if s < len(batches[r]) else [])
+        ]
         epoch = [i for r in range(world) for batch in batches[r] for i in batch]
     else:  # strided layouts come back in dataset order
         per_batch = epoch = real
@@ -150,7 +152,7 @@ def test_pad_across_processes_pads_to_the_longest_rank(run):
         assert extras["pad_right"].tolist() == [valid + [-1] * (longest - rank - 2)] * 2
         assert extras["pad_left"].tolist() == [[-1] * (longest - rank - 2) + valid] * 2
         assert extras["pad_nested"]["a"].shape == (world, 3)
-        assert extras["pad_nested"]["a"][: rank + 1].eq(1).all() and extras["pad_nested"]["a"][rank + 1:].eq(0).all()
+        assert extras["pad_nested"]["a"][: rank + 1].eq(1).all() and extras["pad_nested"]["a"][rank + 1 :].eq(0).all()
         assert extras["pad_nested"]["b"][0].shape == (2, rank + 1) and extras["pad_nested"]["b"][1] == "keep"
         gathered = extras["padded_then_gathered"]
         assert gathered.shape == (2 * world, longest)
@@ -185,7 +187,9 @@ def test_many_leaves_and_large_tensors_take_the_extra_collectives(run):
     for result in ranks:
         many = result["extras"]["many_leaves"]
         assert sorted(many) == sorted(f"k{i}" for i in range(30))
-        assert all(many[f"k{i}"].flatten().tolist() == [100 * r + i for r in range(world) for _ in range(2)] for i in range(30))
+        assert all(
+            many[f"k{i}"].flatten().tolist() == [100 * r + i for r in range(world) for _ in range(2)] for i in range(30)
+        )
         large = result["extras"]["large"]
         assert large.shape == (world * (world + 1) // 2, 70_000)
         assert large[:, 0].tolist() == [float(r) for r in range(world) for _ in range(r + 1)]

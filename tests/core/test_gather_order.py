@@ -6,13 +6,13 @@ import random
 
 import torch
 
-from lightspeed.core.gather import _order
+from lightspeed.core.gather.accounting import global_order as _order
 
 
 def sort_by_global_position(valid: tuple[int, ...], start: tuple[int, ...], world: int) -> list[int]:
     """Reference: list every gathered row with its global position and sort (plain Python)."""
     rows, offset = [], 0
-    for rank, (count, first) in enumerate(zip(valid, start)):
+    for rank, (count, first) in enumerate(zip(valid, start, strict=True)):
         rows += [((first + i) * world + rank, offset + i) for i in range(count)]
         offset += count
     return [row for _, row in sorted(rows)]

@@ -11,11 +11,11 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightspeed import gather_for_metrics, gather_object, pad_across_processes
-from lightspeed.core.gather import end_of_dataloader, track
-from lightspeed.core.gather_state import GatherState, current_state, infer_batch_size, set_current_state
-from lightspeed.core.gather_sync import TIMEOUT_ENV, gather_timeout
-from lightspeed.core.gather_tree import flatten
-from lightspeed.core.padding import pad_tensor
+from lightspeed.core.gather.accounting import GatherState, batch_size_of, current_state, set_current_state
+from lightspeed.core.gather.api import end_of_dataloader, track
+from lightspeed.core.gather.collective import TIMEOUT_ENV, gather_timeout
+from lightspeed.core.gather.padding import pad_tensor
+from lightspeed.core.gather.tree import flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from gather_data import LengthIterable, MapData, ShardedIterable  # noqa: E402
@@ -56,7 +56,9 @@ def test_iterable_with_len_is_round_robin_over_the_total():
 
 
 def test_iterable_without_len_counts_everything_as_real():
-    state = GatherState.from_dataloader(DataLoader(ShardedIterable(10, 1, 3, padded=False), batch_size=2), rank=1, world_size=3)
+    state = GatherState.from_dataloader(
+        DataLoader(ShardedIterable(10, 1, 3, padded=False), batch_size=2), rank=1, world_size=3
+    )
     assert (state.layout, state.real_samples, state.total_samples) == ("shards", None, None)
     state.begin_batch(2)
     assert state.real_count(0, 1000) == 1000 and state.real_mask().tolist() == [True, True]
@@ -70,7 +72,9 @@ def test_map_dataset_without_distributed_sampler_warns_and_counts_shards():
 
 def test_sampler_for_another_world_size_is_rejected():
     sampler = DistributedSampler(MapData(6), num_replicas=4, rank=0)
-    with pytest.raises(ValueError, match=r"num_replicas=4 ranks but the process group has 2; create the sampler with num_replicas=2"):
+    with pytest.raises(
+        ValueError, match=r"num_replicas=4 ranks but the process group has 2; create the sampler with num_replicas=2"
+    ):
         GatherState.from_dataloader(DataLoader(MapData(6), sampler=sampler), rank=0, world_size=2)
 
 
@@ -82,10 +86,10 @@ def test_batches_positions_and_mask():
     state.begin_batch(2)
     assert (state.batch_start, state.seen, state.batches) == (2, 4, 2)
     assert state.real_mask().tolist() == [True, False]
-    assert state.start_for_rows(2) == 2      # the current batch
-    assert state.start_for_rows(4) == 0      # everything so far this epoch
-    assert state.start_for_rows(3) is None   # neither
-    assert end_of_dataloader(state) == 3     # single process: this rank's real samples
+    assert state.start_for_rows(2) == 2  # the current batch
+    assert state.start_for_rows(4) == 0  # everything so far this epoch
+    assert state.start_for_rows(3) is None  # neither
+    assert end_of_dataloader(state) == 3  # single process: this rank's real samples
     state.reset()
     assert (state.seen, state.batches, state.batch_size, state.real_total) == (0, 0, None, None)
     with pytest.raises(RuntimeError, match="no batch has started yet"):
@@ -103,7 +107,7 @@ def test_track_keeps_the_state_current_and_counts_batches():
     loader = DataLoader(MapData(5), batch_size=2)
     set_current_state(None)
     sizes = []
-    for _, _, idx in track(loader):
+    for _ in track(loader):
         sizes.append((current_state().batch_start, current_state().batch_size))
     assert sizes == [(0, 2), (2, 2), (4, 1)]
     assert current_state().seen == 5 and current_state().real_total == 5
@@ -119,12 +123,12 @@ def test_active_context_restores_the_previous_state():
     set_current_state(None)
 
 
-def test_infer_batch_size():
-    assert infer_batch_size(torch.zeros(4, 2)) == 4
-    assert infer_batch_size({"meta": "x", "x": [torch.zeros(3)]}) == 3
-    assert infer_batch_size(["a", "b"]) == 2
+def test_batch_size_of():
+    assert batch_size_of(torch.zeros(4, 2)) == 4
+    assert batch_size_of({"meta": "x", "x": [torch.zeros(3)]}) == 3
+    assert batch_size_of(["a", "b"]) == 2
     with pytest.raises(ValueError, match="cannot infer a batch size from a 0-d tensor"):
-        infer_batch_size(torch.tensor(1.0))
+        batch_size_of(torch.tensor(1.0))
 
 
 @pytest.mark.parametrize("pad_first", [False, True])

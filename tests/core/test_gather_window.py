@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightspeed.core.gather_state import GatherState
-from lightspeed.core.gather_sync import GatherError
-from lightspeed.core.gather_window import BatchWindow, batches_for_budget, batches_per_window, row_bytes, split_by_batch
+from lightspeed.core.gather.accounting import GatherState
+from lightspeed.core.gather.collective import GatherError
+from lightspeed.core.gather.window import BatchWindow, batches_for_budget, batches_per_window, row_bytes, split_by_batch
 
 
 def test_split_regroups_rank_by_rank_results_by_batch_keeping_order_within_a_batch():
@@ -54,7 +54,12 @@ def test_single_process_window_returns_each_batch_as_added():
     window = BatchWindow(first_sample=0)
     for rows in (2, 2, 1):
         state.begin_batch(rows)
-        window.add({"p": torch.arange(state.batch_start, state.seen), "n": [f"s{i}" for i in range(state.batch_start, state.seen)]})
+        window.add(
+            {
+                "p": torch.arange(state.batch_start, state.seen),
+                "n": [f"s{i}" for i in range(state.batch_start, state.seen)],
+            }
+        )
     assert window.batches == 3
     batches = window.gather(state)
     assert [b["p"].tolist() for b in batches] == [[0, 1], [2, 3], [4]]
@@ -88,4 +93,3 @@ def test_a_failed_batch_raises_at_the_windows_gather_as_the_given_type():
     assert window.batches == 3
     with pytest.raises(Missing, match=r"^step 2 returned nothing\.$"):
         window.gather(state, error_type=Missing)
-

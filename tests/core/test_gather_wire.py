@@ -1,11 +1,11 @@
-"""The narrowest lossless wire dtype for integer tensors (the distributed round trip is in test_gather_distributed.py)."""
+"""The narrowest lossless wire dtype for integer tensors (the distributed round trip: test_gather_distributed.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightspeed.core.gather_wire import narrowest_code, wire_dtype
+from lightspeed.core.gather.wire import narrowest_code, wire_dtype
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,7 @@ def test_each_slower_option_needs_no_more_device_memory_than_the_one_before():
         totals = [e.device.total for e in estimate_all(COUNTS_7B, cluster, Accounting())]
         # zero2 -> zero2_offload -> zero3 is not monotone per device (zero3 keeps partitions, zero2_offload keeps
         # full 16-bit weights); what must hold: every ZeRO-3 offload step shrinks, ZeRO-2 never exceeds ZeRO-1
-        by_name = dict(zip(OPTIONS, totals))
+        by_name = dict(zip(OPTIONS, totals, strict=False))
         assert by_name["zero2"] <= by_name["zero1"]
         assert by_name["zero2_offload"] < by_name["zero2"]
         assert by_name["zero3"] > by_name["zero3_offload_params"] > by_name["zero3_offload"] == by_name["zero3_nvme"]
@@ -136,8 +136,11 @@ def _budget_for(name: str, counts: ModelCounts, cluster: Cluster, accounting: Ac
     """Budgets in which ``name`` fits with exactly the margin to spare."""
     e = estimate_option(OPTIONS[name], counts, cluster, accounting)
     grow = 1 / (1 - margin)
-    return Budgets(int(e.device.total * grow) + 8, int(e.host.total * grow) + 8,
-                   nvme_free=int(e.nvme_per_node * grow) + 8 if e.nvme_per_node else None)
+    return Budgets(
+        int(e.device.total * grow) + 8,
+        int(e.host.total * grow) + 8,
+        nvme_free=int(e.nvme_per_node * grow) + 8 if e.nvme_per_node else None,
+    )
 
 
 def test_plenty_of_memory_picks_the_fastest_option():
@@ -197,7 +200,9 @@ def test_nothing_fits_says_what_would_and_each_suggestion_is_true():
     result = plan(counts, cluster, budgets)
     assert result.choice is None
     message = explain_no_fit(result)
-    assert message.startswith("No ZeRO option fits 70,000,000,000 parameters on 1 node(s) x 8 device(s) with a 20% safety margin.")
+    assert message.startswith(
+        "No ZeRO option fits 70,000,000,000 parameters on 1 node(s) x 8 device(s) with a 20% safety margin."
+    )
     ideas = suggestions(result)
     assert any("NVMe path" in idea and "deepspeed.zero.Init" in idea for idea in ideas)
     nodes_idea = next(idea for idea in ideas if "nodes of 8 devices" in idea)
@@ -296,12 +301,21 @@ def test_bad_cluster_precision_and_margin():
 @pytest.mark.parametrize("precision", ["16", "32", "bf16", 16, "64-true"])
 def test_only_the_strategy_precisions_are_accepted(precision):
     # the ZeRO strategies take exactly these names; an estimate for another would plan a run that cannot start
-    with pytest.raises(MemoryPlanError, match=re.escape(
+    with pytest.raises(
+        MemoryPlanError,
+        match=re.escape(
             f"Unsupported precision {precision!r} for a ZeRO estimate: use one of 32-true, 16-mixed, bf16-mixed, "
-            "16-true, bf16-true")):
+            "16-true, bf16-true"
+        ),
+    ):
         Accounting(precision=precision)
     assert {p: Accounting(precision=p).param_bytes for p in PRECISIONS} == {
-        "32-true": 4, "16-mixed": 2, "bf16-mixed": 2, "16-true": 2, "bf16-true": 2}
+        "32-true": 4,
+        "16-mixed": 2,
+        "bf16-mixed": 2,
+        "16-true": 2,
+        "bf16-true": 2,
+    }
     with pytest.raises(MemoryPlanError, match=r"safety margin .* between 0 and 1; got 1.5"):
         plan(COUNTS_7B, Cluster(1), Budgets(GIB, GIB), safety_margin=1.5)
     with pytest.raises(MemoryPlanError, match=r"parameter offload needs ZeRO stage 3"):
@@ -310,8 +324,15 @@ def test_only_the_strategy_precisions_are_accepted(precision):
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("80GB", 80 * 10**9), ("24GiB", 24 * GIB), ("24G", 24 * GIB), ("512MiB", 512 * 2**20),
-     ("1.5T", int(1.5 * 2**40)), (8, 8), (3 * GIB, 3 * GIB)],  # an int is a number of bytes
+    [
+        ("80GB", 80 * 10**9),
+        ("24GiB", 24 * GIB),
+        ("24G", 24 * GIB),
+        ("512MiB", 512 * 2**20),
+        ("1.5T", int(1.5 * 2**40)),
+        (8, 8),
+        (3 * GIB, 3 * GIB),
+    ],  # an int is a number of bytes
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
@@ -319,8 +340,11 @@ def test_parse_size(text, expected):
 
 def test_parse_size_and_count_errors():
     # a bare number could mean bytes or GiB: the planner's wrapper refuses it with its own exception type
-    with pytest.raises(MemoryPlanError, match=r"--gpu-memory '16' has no unit: write e.g. '16GB' \(10\^9 bytes\) or "
-                                              r"'16GiB' \(2\^30 bytes\)"):
+    with pytest.raises(
+        MemoryPlanError,
+        match=r"--gpu-memory '16' has no unit: write e.g. '16GB' \(10\^9 bytes\) or "
+        r"'16GiB' \(2\^30 bytes\)",
+    ):
         parse_size("16", "--gpu-memory")
     with pytest.raises(MemoryPlanError, match=r"Unknown unit 'XB' in --gpu-memory '4XB'"):
         parse_size("4XB", "--gpu-memory")

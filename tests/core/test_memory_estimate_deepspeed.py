@@ -14,7 +14,15 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lightspeed.core.memory import ZERO_OPTIONS, Accounting, Cluster, ModelCounts, ZeroOption, count_parameters, estimate_option
+from lightspeed.core.memory import (
+    ZERO_OPTIONS,
+    Accounting,
+    Cluster,
+    ModelCounts,
+    ZeroOption,
+    count_parameters,
+    estimate_option,
+)
 
 OPTIONS = {option.name: option for option in ZERO_OPTIONS}
 # DeepSpeed also covers ZeRO-3 with only the optimizer offloaded; the estimator handles it as a custom option
@@ -46,12 +54,21 @@ def test_zero3_options_match_deepspeed(models, size, gpus, nodes, zero_init):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
     counts = models[size]
-    cases = [(OPTIONS["zero3"], False, False), (ZERO3_OPTIMIZER_OFFLOAD, True, False), (OPTIONS["zero3_offload"], True, True)]
+    cases = [
+        (OPTIONS["zero3"], False, False),
+        (ZERO3_OPTIMIZER_OFFLOAD, True, False),
+        (OPTIONS["zero3_offload"], True, True),
+    ]
     for option, cpu_offload, cpu_offload_params in cases:
         ds_cpu, ds_gpu, _ = estimate_zero3_model_states_mem_needs(
-            total_params=counts.total_params, largest_layer_params=counts.largest_layer_params,
-            num_gpus_per_node=gpus, num_nodes=nodes, cpu_offload=cpu_offload, cpu_offload_params=cpu_offload_params,
-            zero_init=zero_init, additional_buffer_factor=1.5,
+            total_params=counts.total_params,
+            largest_layer_params=counts.largest_layer_params,
+            num_gpus_per_node=gpus,
+            num_nodes=nodes,
+            cpu_offload=cpu_offload,
+            cpu_offload_params=cpu_offload_params,
+            zero_init=zero_init,
+            additional_buffer_factor=1.5,
         )
         ours = estimate_option(option, counts, Cluster(gpus, nodes), Accounting(zero_init=zero_init))
         assert ours.device.total == pytest.approx(ds_gpu, rel=0.05), option.name
@@ -66,7 +83,10 @@ def test_zero2_options_match_deepspeed(models, size, gpus, nodes):
     counts = models[size]
     for option, cpu_offload in ((OPTIONS["zero2"], False), (OPTIONS["zero2_offload"], True)):
         ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(
-            total_params=counts.total_params, num_gpus_per_node=gpus, num_nodes=nodes, cpu_offload=cpu_offload,
+            total_params=counts.total_params,
+            num_gpus_per_node=gpus,
+            num_nodes=nodes,
+            cpu_offload=cpu_offload,
             additional_buffer_factor=1.5,
         )
         ours = estimate_option(option, counts, Cluster(gpus, nodes), Accounting())
@@ -76,7 +96,8 @@ def test_zero2_options_match_deepspeed(models, size, gpus, nodes):
             # host memory is per node, so lightspeed counts like DeepSpeed's own ZeRO-3 formula does:
             # max(4 * gpus_per_node, 16 / nodes). On one node the two agree (checked above with nodes == 1).
             single_node_cpu, _ = estimate_zero2_model_states_mem_needs(
-                total_params=counts.total_params, num_gpus_per_node=gpus, num_nodes=1, cpu_offload=True)
+                total_params=counts.total_params, num_gpus_per_node=gpus, num_nodes=1, cpu_offload=True
+            )
             expected = counts.total_params * max(4 * gpus, 16 / nodes) * 1.5
             assert ours.host.total == pytest.approx(expected, rel=1e-6)
             assert ours.host.total <= single_node_cpu

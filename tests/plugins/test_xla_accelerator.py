@@ -25,7 +25,8 @@ pytestmark = pytest.mark.xla
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 needs_torch_xla = pytest.mark.skipif(
     not HAS_TORCH_XLA,
-    reason="needs torch_xla; run scripts/setup_xla.sh and test in .venv-xla (pytest -m xla tests/plugins tests/strategies)",
+    reason="needs torch_xla; run scripts/setup_xla.sh and test in .venv-xla "
+    "(pytest -m xla tests/plugins tests/strategies)",
 )
 
 
@@ -36,7 +37,9 @@ def pjrt_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _quiet_trainer(**kwargs: object) -> L.Trainer:
-    return L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    return L.Trainer(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs
+    )
 
 
 def test_import_lightspeed_registers_xla_as_lightspeeds_accelerator() -> None:
@@ -139,10 +142,12 @@ def test_unknown_precision_mode_fails_while_building_the_trainer(pjrt_cpu: None)
 
 
 @needs_torch_xla
-def test_bf16_on_a_device_without_bf16_fails_while_building_the_trainer(pjrt_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightspeed.plugins.accelerators.xla as xla_accelerator
+def test_bf16_on_a_device_without_bf16_fails_while_building_the_trainer(
+    pjrt_cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightspeed.core import xla_runtime
 
-    monkeypatch.setattr(xla_accelerator, "device_supports_bf16", lambda device_type: False)
+    monkeypatch.setattr(xla_runtime, "device_supports_bf16", lambda device_type: False)
     expected = (
         "precision 'bf16-true' computes in bfloat16, which the PJRT device 'CPU' does not support. Use "
         "precision='32-true' on this device, or select a device with bfloat16 support through PJRT_DEVICE (TPU, CPU, "
@@ -156,7 +161,9 @@ def test_bf16_on_a_device_without_bf16_fails_while_building_the_trainer(pjrt_cpu
 @needs_torch_xla
 def test_more_devices_than_pjrt_offers_fails_while_building_the_trainer(pjrt_cpu: None) -> None:
     count = XLAAccelerator.auto_device_count()
-    with pytest.raises(ValueError, match=rf"^`devices={count + 1}` is not possible on the PJRT device 'CPU' with {count} device"):
+    with pytest.raises(
+        ValueError, match=rf"^`devices={count + 1}` is not possible on the PJRT device 'CPU' with {count} device"
+    ):
         _quiet_trainer(accelerator="xla", devices=count + 1)
 
 

@@ -11,13 +11,9 @@ import torch
 import torchmetrics
 from torch import nn
 
+from lightspeed.core.casting import cast_floating_tensors, upcast_metric_updates
 from lightspeed.plugins import XLAPrecision
-from lightspeed.plugins.precision.xla import (
-    DEPRECATED_XLA_ENV_VARS,
-    XLA_PRECISION_MODES,
-    cast_floating_tensors,
-    upcast_metric_updates,
-)
+from lightspeed.plugins.precision.xla import DEPRECATED_XLA_ENV_VARS, XLA_PRECISION_MODES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies" / "scripts"))
 import xla_model  # noqa: E402  (the shared model module of the XLA tests; holds the expected dtypes)
@@ -73,12 +69,22 @@ def test_convert_input_casts_floating_batch_tensors_per_mode(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["bf16-true", "bf16-downcast", "bf16-mixed"])
 def test_convert_output_hands_bfloat16_back_as_float32(mode: str) -> None:
-    out = XLAPrecision(mode).convert_output({"pred": torch.ones(2, dtype=torch.bfloat16), "f64": torch.ones(1, dtype=torch.float64)})
+    out = XLAPrecision(mode).convert_output(
+        {"pred": torch.ones(2, dtype=torch.bfloat16), "f64": torch.ones(1, dtype=torch.float64)}
+    )
     assert out["pred"].dtype == torch.float32
     assert out["f64"].dtype == torch.float64
 
 
-@pytest.mark.parametrize(("mode", "dtype"), [("bf16-true", torch.bfloat16), ("bf16-downcast", torch.bfloat16), ("bf16-mixed", torch.float32), ("32-true", torch.float32)])
+@pytest.mark.parametrize(
+    ("mode", "dtype"),
+    [
+        ("bf16-true", torch.bfloat16),
+        ("bf16-downcast", torch.bfloat16),
+        ("bf16-mixed", torch.float32),
+        ("32-true", torch.float32),
+    ],
+)
 def test_module_init_context_creates_weights_in_the_mode_dtype(mode: str, dtype: torch.dtype) -> None:
     default = torch.get_default_dtype()
     with XLAPrecision(mode).module_init_context():
@@ -88,9 +94,12 @@ def test_module_init_context_creates_weights_in_the_mode_dtype(mode: str, dtype:
 
 
 def test_unknown_precision_mode_is_rejected_with_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"^XLAPrecision got an unknown precision mode 'fp8'\. Choose one of: 'bf16-true', "
-                       r"'bf16-downcast', 'bf16-mixed', '32-true' \(`bf16-downcast` is only available as "
-                       r"`plugins=\[XLAPrecision\('bf16-downcast'\)\]`\)\.$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^XLAPrecision got an unknown precision mode 'fp8'\. Choose one of: 'bf16-true', "
+        r"'bf16-downcast', 'bf16-mixed', '32-true' \(`bf16-downcast` is only available as "
+        r"`plugins=\[XLAPrecision\('bf16-downcast'\)\]`\)\.$",
+    ):
         XLAPrecision("fp8")
     with pytest.raises(ValueError, match="unknown precision mode '16-mixed'"):
         XLAPrecision("16-mixed")

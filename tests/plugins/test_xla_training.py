@@ -15,7 +15,8 @@ import pytest
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 pytest.importorskip(
     "torch_xla",
-    reason="needs torch_xla; run scripts/setup_xla.sh and test in .venv-xla (pytest -m xla tests/plugins tests/strategies)",
+    reason="needs torch_xla; run scripts/setup_xla.sh and test in .venv-xla "
+    "(pytest -m xla tests/plugins tests/strategies)",
 )
 
 import lightning as L  # noqa: E402
@@ -44,7 +45,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     results = {}
     for mode in MODES:
         model = xla_model.XLATestModule()
-        trainer = L.Trainer(plugins=[XLAPrecision(mode)], **xla_model.trainer_kwargs(str(root / mode), max_epochs=EPOCHS))
+        trainer = L.Trainer(
+            plugins=[XLAPrecision(mode)], **xla_model.trainer_kwargs(str(root / mode), max_epochs=EPOCHS)
+        )
         trainer.fit(model, xla_model.make_loader())
         ckpt = root / f"{mode}.ckpt"
         trainer.save_checkpoint(ckpt)
@@ -97,9 +100,16 @@ def test_bf16_mixed_autocasts_but_keeps_float32_master_weights(runs: dict) -> No
 
 @pytest.mark.parametrize(
     ("mode", "metric_input"),
-    [("bf16-true", torch.bfloat16), ("bf16-downcast", torch.float32), ("bf16-mixed", torch.float32), ("32-true", torch.float32)],
+    [
+        ("bf16-true", torch.bfloat16),
+        ("bf16-downcast", torch.float32),
+        ("bf16-mixed", torch.float32),
+        ("32-true", torch.float32),
+    ],
 )
-def test_metrics_and_logged_values_are_float32_in_downcast_and_mixed(runs: dict, mode: str, metric_input: torch.dtype) -> None:
+def test_metrics_and_logged_values_are_float32_in_downcast_and_mixed(
+    runs: dict, mode: str, metric_input: torch.dtype
+) -> None:
     run = runs[mode]
     model = run["model"]
     assert set(model.probe.seen_dtypes) == {metric_input}
@@ -133,14 +143,18 @@ def test_checkpoint_saved_from_xla_holds_cpu_tensors_and_loads_into_a_cpu_model(
 
     trained = runs[mode]["model"]
     fresh = xla_model.XLATestModule(seed=1)
-    fresh.net.load_state_dict({k[len("net."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")})
+    fresh.net.load_state_dict(
+        {k[len("net.") :]: v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
+    )
     for name, value in trained.net.state_dict().items():
         assert torch.equal(fresh.net.state_dict()[name].to(value.dtype), value.cpu()), name
     x = xla_model.make_dataset().tensors[0][:4]
     layers_dtype = xla_model.EXPECTED_DTYPES[mode][0]
     trained_cpu = xla_model.Net()  # a CPU copy: `Module.to` would change the shared trained model in place
     trained_cpu.load_state_dict({k: v.cpu() for k, v in trained.net.state_dict().items()})
-    torch.testing.assert_close(fresh.net.to(layers_dtype)(x.to(layers_dtype)), trained_cpu.to(layers_dtype)(x.to(layers_dtype)))
+    torch.testing.assert_close(
+        fresh.net.to(layers_dtype)(x.to(layers_dtype)), trained_cpu.to(layers_dtype)(x.to(layers_dtype))
+    )
 
 
 def test_export_reads_a_checkpoint_trained_on_xla(runs: dict, tmp_path: Path) -> None:

@@ -26,8 +26,16 @@ ZERO = ("zero1", "zero2", "zero3")
 
 
 def case(name, task, batch_size, accumulate, lr, epochs=1, strategy="ddp_exact", **extra):
-    return dict(name=name, task=task, batch_size=batch_size, accumulate=accumulate, lr=lr, epochs=epochs,
-                strategy=strategy, **extra)
+    return dict(
+        name=name,
+        task=task,
+        batch_size=batch_size,
+        accumulate=accumulate,
+        lr=lr,
+        epochs=epochs,
+        strategy=strategy,
+        **extra,
+    )
 
 
 CASES = {
@@ -103,7 +111,10 @@ def assert_hooks_and_scheduler_once_per_step(results, world_size: int, name: str
     assert steps == 3 * spec["epochs"]  # ceil(10 / 4) per epoch
     assert result["lr"] == pytest.approx(spec["lr"] * steps) == pytest.approx(expected_lr)
     assert result["counts"] == {
-        "optimizer_step": steps, "on_before_optimizer_step": steps, "optimizer_zero_grad": steps, "lr_step": steps,
+        "optimizer_step": steps,
+        "on_before_optimizer_step": steps,
+        "optimizer_zero_grad": steps,
+        "lr_step": steps,
     }
 
 
@@ -195,8 +206,8 @@ def test_ddp_exact_all_reduces_gradients_once_per_window(results):
 
 def _collectives_by_role(result: dict) -> tuple[list[list[str]], list[list[str]]]:
     """Collectives ("op:dtype:numel"; "ds.": called through deepspeed.comm) of boundary micro-batches, and the rest."""
-    boundary = [c for c, stepped in zip(result["collectives"], result["stepped"]) if stepped]
-    inside = [c for c, stepped in zip(result["collectives"], result["stepped"]) if not stepped]
+    boundary = [c for c, stepped in zip(result["collectives"], result["stepped"], strict=True) if stepped]
+    inside = [c for c, stepped in zip(result["collectives"], result["stepped"], strict=True) if not stepped]
     return boundary, inside
 
 
@@ -231,13 +242,22 @@ def test_sync_with_dataloader_false_accepts_full_windows(results):
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("strict_uneven", "ValueError: The accumulation window ending at batch 9 of epoch 0 holds 2 of "
-                          "accumulate_grad_batches=4 micro-batches, but sync_with_dataloader=False requires full "
-                          "windows."),
-        ("zero_items", "ValueError: num_items summed to 0 over an accumulation window (2 micro-batches on all ranks), "
-                       "so the window's mean loss is undefined."),
-        ("non_scalar", "ValueError: training_step must return a scalar loss for exact gradient accumulation, got a "
-                       "tensor of shape (2,). Reduce it first"),
+        (
+            "strict_uneven",
+            "ValueError: The accumulation window ending at batch 9 of epoch 0 holds 2 of "
+            "accumulate_grad_batches=4 micro-batches, but sync_with_dataloader=False requires full "
+            "windows.",
+        ),
+        (
+            "zero_items",
+            "ValueError: num_items summed to 0 over an accumulation window (2 micro-batches on all ranks), "
+            "so the window's mean loss is undefined.",
+        ),
+        (
+            "non_scalar",
+            "ValueError: training_step must return a scalar loss for exact gradient accumulation, got a "
+            "tensor of shape (2,). Reduce it first",
+        ),
     ],
 )
 def test_bad_input_raises_a_clear_error(results, name, message):

@@ -18,7 +18,8 @@ import pytest
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 pytest.importorskip(
     "torch_xla",
-    reason="needs torch_xla; run scripts/setup_xla.sh and test in .venv-xla (pytest -m xla tests/plugins tests/strategies)",
+    reason="needs torch_xla; run scripts/setup_xla.sh and test in .venv-xla "
+    "(pytest -m xla tests/plugins tests/strategies)",
 )
 
 import torch  # noqa: E402
@@ -94,4 +95,6 @@ def test_one_device_of_several_also_trains_in_a_forked_worker(results: dict) -> 
     for fit in ("first", "second"):
         assert run[fit]["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), fit
         for name, value in parent[f"{fit}_state"].items():
-            torch.testing.assert_close(torch.tensor(value, dtype=ref_state[name].dtype), ref_state[name], rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(
+                torch.tensor(value, dtype=ref_state[name].dtype), ref_state[name], rtol=1e-5, atol=1e-6, msg=name
+            )

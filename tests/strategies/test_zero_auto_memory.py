@@ -58,7 +58,10 @@ MIB = 2**20
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
     out = tmp_path_factory.mktemp("zero_rss")
     run_torchrun(SCRIPT, DEVICES, [out, "2,3", "--width", WIDTH, "--depth", DEPTH, "--batch", BATCH])
-    return {stage: [json.loads(path.read_text()) for path in sorted(out.glob(f"rank*_stage{stage}.json"))] for stage in (2, 3)}
+    return {
+        stage: [json.loads(path.read_text()) for path in sorted(out.glob(f"rank*_stage{stage}.json"))]
+        for stage in (2, 3)
+    }
 
 
 def _counts():

@@ -80,8 +80,10 @@ def test_a_save_error_on_one_rank_is_raised_on_every_rank(tmp_path: Path) -> Non
     run_torchrun(SCRIPT, 2, ["save_error", tmp_path, "zero2"], timeout=600)
     target = str(tmp_path / "model.ckpt")
     assert (tmp_path / "rank0.txt").read_text() == f"PermissionError: [Errno 13] Permission denied: {target!r}"
-    assert (tmp_path / "rank1.txt").read_text().startswith(
-        f"RuntimeError: Saving checkpoint {target!r} failed on another rank"
+    assert (
+        (tmp_path / "rank1.txt")
+        .read_text()
+        .startswith(f"RuntimeError: Saving checkpoint {target!r} failed on another rank")
     )
     manifest = json.loads((tmp_path / "model.ckpt" / COMPLETE_MARKER).read_text())
     assert manifest["global_step"] == 8  # the complete checkpoint from before is still there

@@ -12,9 +12,8 @@ import pytest
 
 import lightspeed  # noqa: F401
 from _support.launch import REPO_ROOT, run_python
-from lightspeed.core.deepspeed_config import DeepSpeedConfigError
+from lightspeed.core.deepspeed_config import NVME_PATH_ENV, ZERO_PRESETS, DeepSpeedConfigError
 from lightspeed.strategies import ZeroStrategy
-from lightspeed.strategies.zero import NVME_PATH_ENV, ZERO_STRATEGY_PRESETS
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_errors.py"
 
@@ -27,7 +26,7 @@ def test_all_names_are_registered_with_their_presets() -> None:
     for name in expected:
         entry = StrategyRegistry[name]
         assert entry["strategy"] is ZeroStrategy
-        assert entry["init_params"] == ZERO_STRATEGY_PRESETS[name][0]
+        assert entry["init_params"] == ZERO_PRESETS[name].init_params()
 
 
 @pytest.mark.parametrize(
@@ -73,8 +72,11 @@ def test_stage_outside_range(stage) -> None:
 
 def test_nvme_without_a_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(NVME_PATH_ENV, raising=False)
-    with pytest.raises(DeepSpeedConfigError, match=r"NVMe offload needs a directory .* set the environment variable "
-                                                   f"{NVME_PATH_ENV}"):
+    with pytest.raises(
+        DeepSpeedConfigError,
+        match=r"NVMe offload needs a directory .* set the environment variable "
+        f"{NVME_PATH_ENV}",
+    ):
         L.Trainer(strategy="zero3_nvme", accelerator="cpu", devices=2)
 
 

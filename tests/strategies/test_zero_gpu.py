@@ -22,8 +22,9 @@ def _devices() -> int:
 
 def test_zero_on_cuda_matches_single_process_fp32(tmp_path) -> None:
     devices = _devices()
-    run_torchrun(SCRIPT, devices, [tmp_path, ",".join(NAMES), "--steps", 4, "--devices", devices,
-                                   "--accelerator", "cuda"])
+    run_torchrun(
+        SCRIPT, devices, [tmp_path, ",".join(NAMES), "--steps", 4, "--devices", devices, "--accelerator", "cuda"]
+    )
     reference = reference_training(steps=4, world_size=devices, batch=4)
     for name in NAMES:
         weights = torch.load(tmp_path / f"{name}.pt")
@@ -35,8 +36,11 @@ def test_zero_on_cuda_matches_single_process_fp32(tmp_path) -> None:
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_half_precision_trains_on_cuda(tmp_path, precision) -> None:
     devices = _devices()
-    run_torchrun(SCRIPT, devices, [tmp_path, "zero2", "--steps", 4, "--devices", devices, "--accelerator", "cuda",
-                                   "--precision", precision])
+    run_torchrun(
+        SCRIPT,
+        devices,
+        [tmp_path, "zero2", "--steps", 4, "--devices", devices, "--accelerator", "cuda", "--precision", precision],
+    )
     meta = json.loads((tmp_path / "zero2.json").read_text())
     key = "fp16" if precision == "16-mixed" else "bf16"
     assert meta["config"][key]["enabled"] is True

@@ -1,6 +1,6 @@
 """``GatherForMetrics``: validation/test metrics over exactly the real samples, equal to the single-process value.
 
-The callback keeps one :class:`~lightspeed.core.gather_state.GatherState` per evaluation dataloader (read from its
+The callback keeps one :class:`~lightspeed.core.gather.accounting.GatherState` per evaluation dataloader (read from its
 sampler and dataset at the first batch of each epoch) and makes it the current state around every batch, so
 ``lightspeed.gather_for_metrics`` called inside ``validation_step`` / ``test_step`` (or once in
 ``on_validation_epoch_end``) drops the sampler's duplicates without being told anything.
@@ -17,7 +17,7 @@ at the start of every Trainer run, so the object passed in is never updated, and
 callable ``fn(preds, target) -> value`` (called once per epoch on everything gathered). Under a single device the
 gathers are no-ops and the callback simply computes the metrics.
 
-Outputs are gathered in windows of consecutive batches (:mod:`lightspeed.core.gather_window`): one collective for
+Outputs are gathered in windows of consecutive batches (:mod:`lightspeed.core.gather.window`): one collective for
 many small batches, since each collective has a fixed latency; the window is split back into batches afterwards,
 so the metrics see exactly what a gather per batch would give them. ``gather_every`` sets the window: ``"auto"``
 (default: as many batches as keep about ``buffer_limit`` bytes of outputs per rank, from the first batch's output
@@ -25,8 +25,8 @@ shapes times the loader's batch size, so every rank decides alike without a coll
 ``"batch"`` (1) or ``"epoch"`` (everything, once at epoch end).
 
 If a step's output lacks ``preds_key`` / ``target_key`` on some rank, or holds other than one row per sample, every
-rank raises the same :class:`StepOutputError` (a :class:`~lightspeed.core.gather_sync.GatherError`) at that window's
-gather instead of the others waiting for it.
+rank raises the same :class:`StepOutputError` (a :class:`~lightspeed.core.gather.collective.GatherError`) at that
+window's gather instead of the others waiting for it.
 """
 
 from __future__ import annotations
@@ -34,23 +34,33 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from typing import Any, Callable, Literal, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torchmetrics import Metric, MetricCollection
+from typing_extensions import override
 
-from lightspeed.core.gather import end_of_dataloader
-from lightspeed.core.gather_state import GatherState, current_state, infer_batch_size, set_current_state
-from lightspeed.core.gather_sync import CallSiteMismatch, GatherError, is_distributed
-from lightspeed.core.gather_window import (
-    BatchWindow, batches_for_budget, batches_per_window, concat_samples, row_bytes, sample_rows,
+from lightspeed.core.distributed import is_distributed
+from lightspeed.core.gather.accounting import GatherState, batch_size_of, current_state, set_current_state
+from lightspeed.core.gather.api import end_of_dataloader
+from lightspeed.core.gather.collective import CallSiteMismatch, GatherError
+from lightspeed.core.gather.tree import as_leaf
+from lightspeed.core.gather.window import (
+    BatchWindow,
+    batches_for_budget,
+    batches_per_window,
+    concat_samples,
+    row_bytes,
 )
 from lightspeed.core.sizes import parse_size
 
-MetricLike = Metric | MetricCollection | Callable[[Any, Any], Any]
+__all__ = ["GatherForMetrics", "StepOutputError"]
+
+_MetricLike = Metric | MetricCollection | Callable[[Any, Any], Any]
 #: torchmetrics objects: deep-copied, moved to the module's device, updated per batch, computed and reset per epoch
 _STATEFUL = (Metric, MetricCollection)
 #: evaluation stages each Trainer entry point runs
@@ -79,7 +89,7 @@ class GatherForMetrics(Callback):
 
     def __init__(
         self,
-        metrics: Mapping[str, MetricLike] | None = None,
+        metrics: Mapping[str, _MetricLike] | None = None,
         preds_key: str = "preds",
         target_key: str = "target",
         val_prefix: str = "val/",
@@ -104,7 +114,7 @@ class GatherForMetrics(Callback):
                     f"GatherForMetrics: metric {name!r} is a {type(metric).__name__}; pass a torchmetrics Metric or "
                     "MetricCollection, or a callable(preds, target)."
                 )
-        self.metrics: dict[str, MetricLike] = dict(metrics or {})
+        self.metrics: dict[str, _MetricLike] = dict(metrics or {})
         self.preds_key, self.target_key = preds_key, target_key
         self.gather_every = gather_every
         self.buffer_limit = parse_size(buffer_limit, "GatherForMetrics(buffer_limit=...)")
@@ -113,7 +123,7 @@ class GatherForMetrics(Callback):
         self.results: dict[str, dict[str, Any]] = {}  # stage -> logged name -> value, from the last epoch
         # per Trainer run (re-created in setup), keyed by (stage, dataloader_idx): metric copies on the module's
         # device, gathered outputs kept for plain-callable metrics, the open window and the next window's size
-        self._copies: dict[tuple[str, int], dict[str, MetricLike]] = {}
+        self._copies: dict[tuple[str, int], dict[str, _MetricLike]] = {}
         self._collected: dict[tuple[str, int], dict[str, list[Any]]] = {}
         self._windows: dict[tuple[str, int], BatchWindow] = {}
         self._window_sizes: dict[tuple[str, int], int] = {}
@@ -122,6 +132,7 @@ class GatherForMetrics(Callback):
 
     # hooks ------------------------------------------------------------------------------------------------------
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # a new run may be on another device and must not see the previous run's samples
         self._copies, self._collected, self._windows, self._window_sizes, self._loader_batch_sizes = {}, {}, {}, {}, {}
@@ -129,37 +140,68 @@ class GatherForMetrics(Callback):
             self.states.pop(run_stage, None)
             self.results.pop(run_stage, None)
 
+    @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start("validate")
 
+    @override
     def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start("test")
 
-    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    @override
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._batch_start(trainer, "validate", batch, dataloader_idx)
 
-    def on_test_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    @override
+    def on_test_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._batch_start(trainer, "test", batch, dataloader_idx)
 
-    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._batch_end(pl_module, "validate", outputs, dataloader_idx)
 
-    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._batch_end(pl_module, "test", outputs, dataloader_idx)
 
+    @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_end(trainer, pl_module, "validate")
 
+    @override
     def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_end(trainer, pl_module, "test")
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._clear_context()
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._clear_context()
         self._restore_warnings()
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._clear_context()
         self._restore_warnings()
@@ -171,7 +213,9 @@ class GatherForMetrics(Callback):
         try:
             return self.states[stage][dataloader_idx]
         except KeyError:
-            raise KeyError(f"GatherForMetrics has not seen a {stage} batch from dataloader {dataloader_idx} this epoch.") from None
+            raise KeyError(
+                f"GatherForMetrics has not seen a {stage} batch from dataloader {dataloader_idx} this epoch."
+            ) from None
 
     def _epoch_start(self, stage: str) -> None:
         self.states[stage] = {}
@@ -192,8 +236,10 @@ class GatherForMetrics(Callback):
             state = GatherState.from_dataloader(loader, name=f"{stage} dataloader {dataloader_idx}")
             states[dataloader_idx] = state
             batch_size = getattr(loader, "batch_size", None)
-            self._loader_batch_sizes[(stage, dataloader_idx)] = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
-        state.begin_batch(infer_batch_size(batch))
+            self._loader_batch_sizes[(stage, dataloader_idx)] = (
+                batch_size if isinstance(batch_size, int) and batch_size > 0 else None
+            )
+        state.begin_batch(batch_size_of(batch))
         set_current_state(state)
 
     def _batch_end(self, pl_module: LightningModule, stage: str, outputs: Any, dataloader_idx: int) -> None:
@@ -205,9 +251,19 @@ class GatherForMetrics(Callback):
         if not is_distributed():  # nothing to gather: the outputs are the global batch
             if problem is not None:
                 raise StepOutputError(problem)
-            self._update(pl_module, stage, dataloader_idx, _detached(outputs[self.preds_key]), _detached(outputs[self.target_key]))
+            self._update(
+                pl_module,
+                stage,
+                dataloader_idx,
+                _detached(outputs[self.preds_key]),
+                _detached(outputs[self.target_key]),
+            )
             return
-        kept = None if problem is not None else {"preds": _detached(outputs[self.preds_key]), "target": _detached(outputs[self.target_key])}
+        kept = (
+            None
+            if problem is not None
+            else {"preds": _detached(outputs[self.preds_key]), "target": _detached(outputs[self.target_key])}
+        )
         window = self._windows.get(key)
         if window is not None and kept is not None and not window.fits(kept):
             self._gather_window(pl_module, stage, dataloader_idx)
@@ -218,9 +274,10 @@ class GatherForMetrics(Callback):
         if self.gather_every == "auto" and key not in self._window_sizes and kept is not None and batch_size:
             # sized before any gather, from what every rank shares: the outputs' row size and the loader's batch size
             self._window_sizes[key] = batches_for_budget(self.buffer_limit, row_bytes(kept) * batch_size)
-        if kept is None:  # the other ranks gather this window with its batch: every rank raises there
+        if problem is not None:  # the other ranks gather this window with its batch: every rank raises there
             window.fail(problem)
         else:
+            assert kept is not None  # kept is None exactly when there is a problem
             window.add(kept)
         if window.batches >= self._window_size(key):
             self._gather_window(pl_module, stage, dataloader_idx)
@@ -254,7 +311,9 @@ class GatherForMetrics(Callback):
         for outputs in batches:
             self._update(pl_module, stage, dataloader_idx, outputs["preds"], outputs["target"])
         if self.gather_every == "auto":
-            self._window_sizes[key] = batches_per_window(self.buffer_limit, batches, torch.distributed.get_world_size(), window.batches)
+            self._window_sizes[key] = batches_per_window(
+                self.buffer_limit, batches, torch.distributed.get_world_size(), window.batches
+            )
 
     def _update(self, pl_module: LightningModule, stage: str, dataloader_idx: int, preds: Any, target: Any) -> None:
         """Feed globally gathered, de-duplicated predictions and targets to the metrics."""
@@ -263,7 +322,7 @@ class GatherForMetrics(Callback):
         if any(not isinstance(m, _STATEFUL) for m in copies.values()):
             collected["preds"].append(preds)
             collected["target"].append(target)
-        if not sample_rows(preds):  # a batch without samples would only trip the metrics' input checks
+        if not as_leaf(preds).rows:  # a batch without samples would only trip the metrics' input checks
             return
         for metric in copies.values():
             if isinstance(metric, _STATEFUL):
@@ -294,13 +353,15 @@ class GatherForMetrics(Callback):
                 for log_name, log_value in _named_values(f"{self.prefixes[stage]}{name}", value, suffix):
                     results[log_name] = log_value
                     self._silence_sync_dist_hint(log_name)
-                    pl_module.log(log_name, log_value, sync_dist=False, add_dataloader_idx=False, on_step=False, on_epoch=True)
+                    pl_module.log(
+                        log_name, log_value, sync_dist=False, add_dataloader_idx=False, on_step=False, on_epoch=True
+                    )
         self.results[stage] = results
 
-    def _metric_copies(self, stage: str, dataloader_idx: int, device: torch.device) -> dict[str, MetricLike]:
+    def _metric_copies(self, stage: str, dataloader_idx: int, device: torch.device) -> dict[str, _MetricLike]:
         key = (stage, dataloader_idx)
         if key not in self._copies:
-            copies: dict[str, MetricLike] = {}
+            copies: dict[str, _MetricLike] = {}
             for name, metric in self.metrics.items():
                 if isinstance(metric, _STATEFUL):
                     metric = copy.deepcopy(metric).to(device)
@@ -319,7 +380,9 @@ class GatherForMetrics(Callback):
     def _dataloader(self, trainer: Trainer, stage: str, dataloader_idx: int) -> Any:
         loaders = self._dataloaders(trainer, stage)
         if dataloader_idx >= len(loaders):
-            raise RuntimeError(f"GatherForMetrics: the trainer reports no {stage} dataloader {dataloader_idx} (it has {len(loaders)}).")
+            raise RuntimeError(
+                f"GatherForMetrics: the trainer reports no {stage} dataloader {dataloader_idx} (it has {len(loaders)})."
+            )
         return loaders[dataloader_idx]
 
     def _output_problem(self, stage: str, outputs: Any, state: GatherState) -> str | None:
@@ -330,7 +393,7 @@ class GatherForMetrics(Callback):
         if not missing:
             for name in (self.preds_key, self.target_key):
                 value = outputs[name]
-                rows = sample_rows(value)
+                rows = as_leaf(value).rows
                 if rows != state.batch_size:
                     described = f"{rows} rows on dim 0" if rows is not None else _kind_of(value)
                     return (
@@ -339,7 +402,11 @@ class GatherForMetrics(Callback):
                         "preds.argmax(-1) of [batch, classes] logits), so that the sampler's padding can be dropped."
                     )
             return None
-        returned = f"a dict with keys {sorted(map(str, outputs))}" if isinstance(outputs, Mapping) else repr(type(outputs).__name__)
+        returned = (
+            f"a dict with keys {sorted(map(str, outputs))}"
+            if isinstance(outputs, Mapping)
+            else repr(type(outputs).__name__)
+        )
         return (
             f"GatherForMetrics reads {self.preds_key!r} and {self.target_key!r} from what {step} returns, but it "
             f"returned {returned} (missing {missing}). Return {{{self.preds_key!r}: ..., {self.target_key!r}: ...}} "
@@ -362,7 +429,7 @@ class GatherForMetrics(Callback):
         if not self._silenced:
             return
         ours = list(self._silenced.values())
-        warnings.filters[:] = [f for f in warnings.filters if not any(f is o for o in ours)]
+        warnings.filters[:] = [f for f in warnings.filters if not any(f is o for o in ours)]  # type: ignore[index]
         mutated = getattr(warnings, "_filters_mutated", None)  # drops cached decisions (Python <= 3.13)
         if mutated is not None:
             mutated()

@@ -14,6 +14,7 @@ output equals exporting the checkpoint the engine would save at that moment (``l
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightspeed.core.checkpoint.errors import ExportError
+from lightspeed.core.checkpoint.exporter import ExportResult
 from lightspeed.core.checkpoint.live import export_engine
-from lightspeed.core.checkpoint.plan import resolve_dtype
-from lightspeed.core.checkpoint.safetensors_writer import parse_shard_size
-from lightspeed.core.checkpoint.staging import check_output_dir
+from lightspeed.core.checkpoint.options import ExportOptions
+from lightspeed.core.checkpoint.staging import check_output_dir_on_every_rank
+
+__all__ = ["ZeroExport"]
 
 
 class ZeroExport(Callback):
@@ -41,6 +45,8 @@ class ZeroExport(Callback):
         strip_prefix: export only the keys under this prefix, without it (``"model."`` for a wrapped HF model).
         on_checkpoint: also export whenever a checkpoint is saved, so ``dirpath`` follows the latest checkpoint.
         overwrite: replace a non-empty ``dirpath`` that this run did not write (checked before training starts).
+
+    The export options are validated here (``self.options``), so a typo fails at construction, not after training.
     """
 
     def __init__(
@@ -54,18 +60,19 @@ class ZeroExport(Callback):
         overwrite: bool = False,
     ) -> None:
         self.dirpath = Path(dirpath)
-        self.dtype = dtype
-        self.max_shard_size = max_shard_size
-        resolve_dtype(dtype)  # fail at construction on a typo, not after training
-        parse_shard_size(max_shard_size)
-        self.exclude_frozen = exclude_frozen
-        self.strip_prefix = strip_prefix
+        self.options = ExportOptions(
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            exclude_frozen=exclude_frozen,
+            strip_prefix=strip_prefix,
+            overwrite=overwrite,
+        )
         self.on_checkpoint = on_checkpoint
-        self.overwrite = overwrite
         self._written = False
         self.export_count = 0  # exports written by this callback (per process; every rank takes part)
-        self.last_result: Any = None
+        self.last_result: ExportResult | None = None
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -76,43 +83,38 @@ class ZeroExport(Callback):
                 "with safetensors directly"
             )
         self._written = False  # a new fit must not replace an earlier fit's export unless overwrite=True
-        problem = None
-        if trainer.is_global_zero:
-            try:
-                check_output_dir(self.dirpath, self.overwrite)
-            except ExportError as error:
-                problem = str(error)
         # every rank raises rank 0's verdict (the other ranks would otherwise wait in deepspeed.initialize)
-        problem = trainer.strategy.broadcast(problem, src=0)
-        if problem:
-            raise ExportError(problem)
+        check_output_dir_on_every_rank(self.dirpath, self.options.overwrite)
 
     def _export(self, trainer: pl.Trainer, reason: str) -> None:
-        engine = trainer.strategy.deepspeed_engine
+        engine = trainer.strategy.deepspeed_engine  # type: ignore[attr-defined]  # checked in setup
         if engine is None:
             raise ExportError("ZeroExport: the DeepSpeed engine is not set up; the export runs during fit only")
+        # once this run has written dirpath, later exports replace it
+        options = dataclasses.replace(self.options, overwrite=True) if self._written else self.options
         self.last_result = export_engine(
             engine,
             self.dirpath,
-            dtype=self.dtype,
-            max_shard_size=self.max_shard_size,
-            exclude_frozen=self.exclude_frozen,
-            strip_prefix=self.strip_prefix,
-            overwrite=self.overwrite or self._written,
+            options,
             source={"global_step": trainer.global_step, "epoch": trainer.current_epoch, "reason": reason},
         )
         self._written = True
         self.export_count += 1
         if trainer.is_global_zero and self.last_result is not None:
+            result = self.last_result
             rank_zero_info(
-                f"ZeroExport: wrote {self.last_result.num_tensors} tensors ({self.last_result.total_bytes / 1e6:.1f} MB) "
+                f"ZeroExport: wrote {result.num_tensors} tensors ({result.total_bytes / 1e6:.1f} MB) "
                 f"to {self.dirpath} at step {trainer.global_step}"
             )
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if self.on_checkpoint and trainer.state.fn == "fit":
             self._export(trainer, "checkpoint")
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the end of fit, while the engine and process group are still fully set up (on_fit_end runs after teardown)
         self._export(trainer, "fit_end")

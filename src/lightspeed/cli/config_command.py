@@ -8,13 +8,19 @@ import contextlib
 import copy
 import difflib
 import json
-import os
 import sys
 import warnings
 from typing import Any
 
-from lightspeed.cli.main import EXIT_OK, UsageError
-from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV, resolve_nvme_path
+from lightspeed.cli.usage import EXIT_OK, UsageError, require_nvme_path
+from lightspeed.core.deepspeed_config import (
+    NVME_PATH_ENV,
+    ZERO_PRESETS,
+    TrainingFacts,
+    ZeroPreset,
+    build_zero_config,
+    resolve_config,
+)
 
 # dotted config key -> the flag whose value resolves it; "auto" keys not listed are always left as "auto"
 _SOURCES = {
@@ -37,11 +43,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "config",
         help="print the DeepSpeed JSON of a ZeRO strategy name",
         description="Print the DeepSpeed config of a registered lightspeed ZeRO strategy (e.g. zero3_offload). Values "
-        "the Trainer decides are \"auto\"; the flags below resolve them the way the strategy does at setup.",
+        'the Trainer decides are "auto"; the flags below resolve them the way the strategy does at setup.',
         epilog="example: lightspeed config zero3_offload --micro-batch-size 4 --accumulate 8 --precision bf16-mixed "
         "> ds_config.json",
     )
-    parser.add_argument("name", help="strategy name, e.g. zero1, zero2, zero2_offload, zero3, zero3_offload, zero3_nvme")
+    parser.add_argument(
+        "name", help="strategy name, e.g. zero1, zero2, zero2_offload, zero3, zero3_offload, zero3_nvme"
+    )
     parser.add_argument("--micro-batch-size", type=int, help="per-device batch size of the train dataloader")
     parser.add_argument("--accumulate", type=int, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--devices", type=int, default=1, help="devices per node (for train_batch_size; default 1)")
@@ -49,38 +57,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--precision", help="Trainer(precision=...): 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true")
     parser.add_argument("--gradient-clip", type=float, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--hidden-size", type=int, help="model hidden size (sets ZeRO bucket sizes)")
-    parser.add_argument("--nvme-path", help="directory on the NVMe drive (for NVMe strategies; default "
-                        f"${NVME_PATH_ENV}, as for the strategy)")
+    parser.add_argument(
+        "--nvme-path",
+        help=f"directory on the NVMe drive (for NVMe strategies; default ${NVME_PATH_ENV}, as for the strategy)",
+    )
     parser.add_argument("--config", dest="user_config", help="a DeepSpeed JSON merged over the preset (its values win)")
 
 
-def strategy_presets() -> dict[str, dict[str, Any]]:
-    """Registered ZeRO strategy names and their constructor arguments."""
-    from lightspeed.strategies.zero import ZERO_STRATEGY_PRESETS
-
-    return {name: dict(entry[0]) for name, entry in ZERO_STRATEGY_PRESETS.items()}
-
-
-def _preset_kwargs(name: str, nvme_path: str | None) -> dict[str, Any]:
-    presets = strategy_presets()
+def _preset(name: str, nvme_path: str | None) -> ZeroPreset:
     if name == "zero_auto":
-        raise UsageError("zero_auto chooses its DeepSpeed config at setup from the model and the machine. Run "
-                         "`lightspeed estimate ...` to see what it would pick, then `lightspeed config <that name>`.")
-    if name not in presets:
-        close = difflib.get_close_matches(name, presets, n=1)
+        raise UsageError(
+            "zero_auto chooses its DeepSpeed config at setup from the model and the machine. Run "
+            "`lightspeed estimate ...` to see what it would pick, then `lightspeed config <that name>`."
+        )
+    if name not in ZERO_PRESETS:
+        close = difflib.get_close_matches(name, ZERO_PRESETS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise UsageError(f"Unknown ZeRO strategy {name!r}.{hint} Choose one of: {', '.join(presets)}.")
-    kwargs = presets[name]
-    uses_nvme = "nvme" in (kwargs.get("offload_optimizer"), kwargs.get("offload_parameters"))
-    if uses_nvme:
-        if not (nvme_path or os.environ.get(NVME_PATH_ENV)):
-            raise UsageError(f"{name} offloads to NVMe: pass --nvme-path DIR (a directory on the NVMe drive) or set "
-                             f"{NVME_PATH_ENV}.")
-        # the same directory the strategy would use: absolute, created if missing, checked writable
-        kwargs["nvme_path"] = resolve_nvme_path(nvme_path or None)
-    elif nvme_path:
+        raise UsageError(f"Unknown ZeRO strategy {name!r}.{hint} Choose one of: {', '.join(ZERO_PRESETS)}.")
+    preset = ZERO_PRESETS[name]
+    if preset.uses_nvme:
+        require_nvme_path(name, nvme_path)
+    if nvme_path and not preset.uses_nvme:
         raise UsageError(f"--nvme-path is only used by NVMe strategies, and {name} does not offload to NVMe.")
-    return kwargs
+    return preset
 
 
 def _leaves(config: dict, prefix: str = ""):
@@ -114,21 +113,19 @@ def _set(config: dict, dotted: str, value: Any, missing: Any) -> None:
 
 def build_config(args: argparse.Namespace) -> dict[str, Any]:
     """The preset of ``args.name`` (merged with ``--config``), with "auto" resolved where a flag gives the value."""
-    from lightspeed.core.deepspeed_config import (
-        TrainingFacts,
-        load_user_config,
-        merge_configs,
-        resolve_config,
-        validate_keys,
-        zero_preset,
-    )
-
     for flag in ("micro_batch_size", "accumulate", "devices", "nodes", "hidden_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {value}.")
-    config = merge_configs(zero_preset(**_preset_kwargs(args.name, args.nvme_path)), load_user_config(args.user_config))
-    validate_keys(config)
+    preset = _preset(args.name, args.nvme_path)
+    # the same recipe as the strategy: the NVMe directory made absolute, created and checked writable
+    config = build_zero_config(
+        preset.stage,
+        preset.offload_optimizer,
+        preset.offload_parameters,
+        nvme_path=args.nvme_path or None,
+        user_config=args.user_config,
+    )
     given = {
         "micro_batch_size": args.micro_batch_size is not None,
         "accumulate": args.accumulate is not None,

@@ -13,8 +13,9 @@ import shutil
 import sys
 from typing import Any
 
-from lightspeed.cli.main import EXIT_OK
-from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV, export_deepspeed_accelerator
+from lightspeed.cli.usage import EXIT_OK
+from lightspeed.core.deepspeed_config import NVME_PATH_ENV
+from lightspeed.core.deepspeed_runtime import export_deepspeed_accelerator
 
 PACKAGES = ("torch", "lightning", "deepspeed", "torch_xla", "torchmetrics", "safetensors", "transformers", "lightspeed")
 # ops lightspeed's strategies use, and why
@@ -105,7 +106,9 @@ def deepspeed_ops(kind: str | None = None) -> dict[str, dict[str, Any]]:
         prebuilt, cached = bool(installed_ops.get(name, False)), _jit_cached(name)
         usable = prebuilt or cached or (compatible and can_compile)
         if usable:
-            why = "prebuilt" if prebuilt else ("compiled (torch extension cache)" if cached else "compiles on first use")
+            why = (
+                "prebuilt" if prebuilt else ("compiled (torch extension cache)" if cached else "compiles on first use")
+            )
         elif not compatible and name == "async_io":
             why = "missing libaio: apt-get install libaio-dev"
         elif not compatible:
@@ -139,7 +142,11 @@ def strategies(ops: dict[str, dict[str, Any]] | None, versions: dict[str, str | 
         params = entry.get("init_params", {})
         problem: str | None = None
         if "xla" in module:
-            problem = None if versions.get("torch_xla") else "needs torch_xla (pip install 'lightspeed[xla]') and a TPU/XLA device"
+            problem = (
+                None
+                if versions.get("torch_xla")
+                else "needs torch_xla (pip install 'lightspeed[xla]') and a TPU/XLA device"
+            )
         elif "zero" in module:
             if ops is None:
                 problem = op_problem("cpu_adam")
@@ -178,9 +185,14 @@ def format_report(data: dict[str, Any]) -> str:
     for name, version in data["versions"].items():
         lines.append(f"  {name:14} {version or 'not installed'}")
     dev = data["devices"]
-    lines += ["", "Devices", f"  platform       {data['platform']}", f"  CPU cores      {dev['cpu_cores']}",
-              f"  host memory    {dev['host_memory_total_bytes'] / gib:.1f} GiB total, "
-              f"{dev['host_memory_available_bytes'] / gib:.1f} GiB available"]
+    lines += [
+        "",
+        "Devices",
+        f"  platform       {data['platform']}",
+        f"  CPU cores      {dev['cpu_cores']}",
+        f"  host memory    {dev['host_memory_total_bytes'] / gib:.1f} GiB total, "
+        f"{dev['host_memory_available_bytes'] / gib:.1f} GiB available",
+    ]
     if dev["cuda_devices"]:
         lines.append(f"  CUDA           {dev['cuda_version']}, {len(dev['cuda_devices'])} device(s)")
         for cuda in dev["cuda_devices"]:

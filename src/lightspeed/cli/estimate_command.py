@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 
-from lightspeed.cli.main import EXIT_OK, EXIT_USER_ERROR, UsageError
+from lightspeed.cli.usage import EXIT_OK, EXIT_USER_ERROR, UsageError
 
 _EPILOG = """\
 examples:
@@ -34,19 +34,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--largest-layer", help="parameters of the largest single module (with --params), e.g. 1.3e8")
     parser.add_argument("--devices", type=int, help="devices (processes) per node; default: GPUs here, else 1")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    parser.add_argument("--precision", default="bf16-mixed",
-                        help="Lightning precision: bf16-mixed (default), 16-mixed, bf16-true, 16-true or 32-true")
-    parser.add_argument("--optimizer-state-bytes", type=int, default=8,
-                        help="optimizer state per parameter: 8 for Adam/AdamW (default), 4 SGD+momentum, 0 SGD")
-    parser.add_argument("--gpu-memory", metavar="SIZE",
-                        help="memory per device, with a unit (80GB, 24GiB), instead of the free memory of the GPUs here")
-    parser.add_argument("--cpu-memory", metavar="SIZE",
-                        help="host memory per node, with a unit (256GB, 64GiB), instead of the memory available here")
+    parser.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        help="Lightning precision: bf16-mixed (default), 16-mixed, bf16-true, 16-true or 32-true",
+    )
+    parser.add_argument(
+        "--optimizer-state-bytes",
+        type=int,
+        default=8,
+        help="optimizer state per parameter: 8 for Adam/AdamW (default), 4 SGD+momentum, 0 SGD",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="memory per device, with a unit (80GB, 24GiB), instead of the free memory of the GPUs here",
+    )
+    parser.add_argument(
+        "--cpu-memory",
+        metavar="SIZE",
+        help="host memory per node, with a unit (256GB, 64GiB), instead of the memory available here",
+    )
     parser.add_argument("--nvme-path", help="directory on the NVMe drive; its free space is the NVMe budget")
-    parser.add_argument("--zero-init", action="store_true",
-                        help="the model is built partitioned (LightningModule.configure_model / deepspeed.zero.Init)")
-    parser.add_argument("--safety-margin", type=float, default=None,
-                        help="fraction of every budget kept free for activations and buffers (default 0.2)")
+    parser.add_argument(
+        "--zero-init",
+        action="store_true",
+        help="the model is built partitioned (LightningModule.configure_model / deepspeed.zero.Init)",
+    )
+    parser.add_argument(
+        "--safety-margin",
+        type=float,
+        default=None,
+        help="fraction of every budget kept free for activations and buffers (default 0.2)",
+    )
     parser.add_argument("--buffer-factor", type=float, default=1.5, help="DeepSpeed's host buffer factor (1.5)")
     parser.add_argument("--json", action="store_true", help="print JSON (all sizes in bytes) instead of a table")
 
@@ -59,10 +79,14 @@ def _counts(args: argparse.Namespace):
     if args.factory:
         return counts_from_factory(args.factory)
     if not args.params:
-        raise UsageError("say what to estimate: a model factory (my_pkg.models:build_model) or --params N --largest-layer M.")
+        raise UsageError(
+            "say what to estimate: a model factory (my_pkg.models:build_model) or --params N --largest-layer M."
+        )
     if not args.largest_layer:
-        raise UsageError("--params needs --largest-layer: the parameter count of the biggest single module "
-                         "(often the token embedding, vocab_size x hidden_size); ZeRO-3 gathers it in full.")
+        raise UsageError(
+            "--params needs --largest-layer: the parameter count of the biggest single module "
+            "(often the token embedding, vocab_size x hidden_size); ZeRO-3 gathers it in full."
+        )
     return ModelCounts(parse_count(args.params, "--params"), parse_count(args.largest_layer, "--largest-layer"))
 
 
@@ -97,8 +121,12 @@ def run(args: argparse.Namespace) -> int:
 
     counts = _counts(args)
     cluster = Cluster(_devices(args), args.nodes)
-    accounting = Accounting(precision=args.precision, optimizer_state_bytes=args.optimizer_state_bytes,
-                            buffer_factor=args.buffer_factor, zero_init=args.zero_init)
+    accounting = Accounting(
+        precision=args.precision,
+        optimizer_state_bytes=args.optimizer_state_bytes,
+        buffer_factor=args.buffer_factor,
+        zero_init=args.zero_init,
+    )
     margin = DEFAULT_SAFETY_MARGIN if args.safety_margin is None else args.safety_margin
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; stdout is for the result
         budgets = _budgets(args)

@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightspeed.cli.main import EXIT_OK
+from lightspeed.cli.usage import EXIT_OK
+
+if TYPE_CHECKING:
+    from lightspeed.core.checkpoint.options import ExportOptions
+    from lightspeed.core.checkpoint.safetensors_writer import Progress
+
+__all__ = ["DESCRIPTION", "add_parser", "run"]
 
 DESCRIPTION = """\
 Export a DeepSpeed ZeRO checkpoint (stages 0-3, CPU or NVMe offload, any world size) to safetensors in the
@@ -32,25 +38,57 @@ def add_parser(subparsers: Any) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("checkpoint", help="ZeRO checkpoint directory (e.g. checkpoints/last.ckpt), one of its tag "
-                        "folders, or a single-file Lightning checkpoint")
+    parser.add_argument(
+        "checkpoint",
+        help="ZeRO checkpoint directory (e.g. checkpoints/last.ckpt), one of its tag "
+        "folders, or a single-file Lightning checkpoint",
+    )
     parser.add_argument("output", help="output directory (must be missing or empty unless --overwrite)")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                        help="dtype of floating tensors (default: fp32; integer buffers keep theirs)")
-    parser.add_argument("--max-shard-size", default="5GB",
-                        help="largest shard, e.g. 2GB, 500MB, 1GiB, or 'none' for one file (default: 5GB)")
-    parser.add_argument("--tag", default=None,
-                        help="tag of a ZeRO checkpoint directory to export (default: the one named in 'latest')")
-    parser.add_argument("--exclude-frozen", action="store_true",
-                        help="leave out parameters with requires_grad=False (ZeRO stages 1-3 only: single-file "
-                        "checkpoints do not record it)")
-    parser.add_argument("--strip-prefix", default=None, metavar="PREFIX",
-                        help="export only keys under PREFIX, without it (e.g. 'model.' for a wrapped HF model)")
+    parser.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="dtype of floating tensors (default: fp32; integer buffers keep theirs)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest shard, e.g. 2GB, 500MB, 1GiB, or 'none' for one file (default: 5GB)",
+    )
+    parser.add_argument(
+        "--tag", default=None, help="tag of a ZeRO checkpoint directory to export (default: the one named in 'latest')"
+    )
+    parser.add_argument(
+        "--exclude-frozen",
+        action="store_true",
+        help="leave out parameters with requires_grad=False (ZeRO stages 1-3 only: single-file "
+        "checkpoints do not record it)",
+    )
+    parser.add_argument(
+        "--strip-prefix",
+        default=None,
+        metavar="PREFIX",
+        help="export only keys under PREFIX, without it (e.g. 'model.' for a wrapped HF model)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
 
 
-def _progress_bar(enabled: bool):
+def _options(args: argparse.Namespace) -> ExportOptions:
+    """The export options the command line asked for (validated: a bad shard size raises ExportError)."""
+    from lightspeed.core.checkpoint.options import ExportOptions
+
+    return ExportOptions(
+        dtype=args.dtype,
+        max_shard_size=None if str(args.max_shard_size).lower() == "none" else args.max_shard_size,
+        tag=args.tag,
+        exclude_frozen=args.exclude_frozen,
+        strip_prefix=args.strip_prefix,
+        overwrite=args.overwrite,
+    )
+
+
+def _progress_bar(enabled: bool) -> tuple[Progress | None, Any]:
     if not enabled:
         return None, None
     from tqdm import tqdm
@@ -67,16 +105,13 @@ def _progress_bar(enabled: bool):
 
 def run(args: argparse.Namespace) -> int:
     """Run the export; returns the exit code."""
-    from lightspeed.export import export_checkpoint
+    from lightspeed.core.checkpoint.exporter import export_checkpoint_path
 
-    shard = None if str(args.max_shard_size).lower() == "none" else args.max_shard_size
+    # CheckpointError / ExportError / Ctrl-C reach lightspeed.cli.main, which prints one line and exits 2 / 130
+    options = _options(args)
     progress, bar = _progress_bar(not args.quiet and sys.stderr.isatty())
-    try:  # CheckpointError / ExportError / Ctrl-C reach lightspeed.cli.main, which prints one line and exits 2 / 130
-        result = export_checkpoint(
-            args.checkpoint, args.output, dtype=args.dtype, max_shard_size=shard, tag=args.tag,
-            exclude_frozen=args.exclude_frozen, strip_prefix=args.strip_prefix, overwrite=args.overwrite,
-            progress=progress,
-        )
+    try:
+        result = export_checkpoint_path(args.checkpoint, args.output, options, progress)
     finally:
         if bar is not None:
             bar.close()

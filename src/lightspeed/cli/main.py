@@ -1,9 +1,9 @@
 """The ``lightspeed`` console script: one command with subcommands ``env``, ``test``, ``estimate``, ``config`` and
 ``export``.
 
-Each subcommand lives in ``lightspeed.cli.<name>_command`` and defines ``add_parser(subparsers)`` and
-``run(args) -> int``; each imports its heavy dependencies only when it runs. Exit codes: 0 success, 1 a check failed (``lightspeed test``),
-2 a user error (one message on stderr, no traceback), 130 interrupted.
+Each subcommand is a module (:data:`SUBCOMMANDS`) that defines ``add_parser(subparsers)`` and ``run(args) -> int``.
+Exit codes: 0 success, 1 a check failed (``lightspeed test``), 2 a user error (one message on stderr, no traceback),
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -13,13 +13,17 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS = ("env", "test", "estimate", "config", "export")
+from lightspeed._version import __version__
+from lightspeed.cli.usage import EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, UsageError
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-
-class UsageError(Exception):
-    """A problem with what the user asked for; ``main`` prints the message and exits with code 2."""
+#: subcommand -> the module that implements it
+SUBCOMMANDS = {
+    "env": "lightspeed.cli.env_command",
+    "test": "lightspeed.cli.selftest.command",
+    "estimate": "lightspeed.cli.estimate_command",
+    "config": "lightspeed.cli.config_command",
+    "export": "lightspeed.cli.export_command",
+}
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
@@ -33,16 +37,14 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand."""
-    from lightspeed import __version__
-
     parser = argparse.ArgumentParser(
         prog="lightspeed",
         description="DeepSpeed ZeRO for PyTorch Lightning: check this machine, plan memory, print configs, export.",
     )
     parser.add_argument("--version", action="version", version=f"lightspeed {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMANDS:
-        module = importlib.import_module(f"lightspeed.cli.{name}_command")
+    for module_name in SUBCOMMANDS.values():
+        module = importlib.import_module(module_name)
         before = set(subparsers.choices)
         module.add_parser(subparsers)
         for added in set(subparsers.choices) - before:

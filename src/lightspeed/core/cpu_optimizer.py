@@ -84,7 +84,9 @@ def retarget_lr_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> N
 
     @functools.wraps(step)
     def tracked_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer_ref()._opt_called = True
+        owner = optimizer_ref()
+        if owner is not None:
+            owner._opt_called = True  # type: ignore[attr-defined]
         return step(*args, **kwargs)
 
     tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
@@ -94,7 +96,8 @@ def retarget_lr_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> N
 def describe_conversion(original: torch.optim.Optimizer, converted: torch.optim.Optimizer) -> str:
     """One log line saying what ran as what, with the hyperparameters of each group."""
     groups = "; ".join(
-        ", ".join(f"{key}={group[key]}" for key in _ADAM_GROUP_KEYS if key in group) + f", params={len(group['params'])}"
+        ", ".join(f"{key}={group[key]}" for key in _ADAM_GROUP_KEYS if key in group)
+        + f", params={len(group['params'])}"
         for group in converted.param_groups
     )
     mode = "decoupled weight decay" if getattr(converted, "adam_w_mode", True) else "L2 weight decay"

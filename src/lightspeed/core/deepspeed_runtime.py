@@ -9,11 +9,9 @@ DeepSpeed was imported before the choice was known).
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from typing import Any
 
 DEVICE_KINDS = ("cpu", "cuda")
-#: environment variable naming the NVMe offload directory when ``nvme_path`` is not passed
-NVME_PATH_ENV = "LIGHTSPEED_NVME_PATH"
 
 
 def export_deepspeed_accelerator(kind: str) -> None:
@@ -29,6 +27,7 @@ def use_deepspeed_accelerator(kind: str) -> None:
     On CPU this never touches CUDA: DeepSpeed's CPU accelerator is built directly.
     """
     export_deepspeed_accelerator(kind)
+    honour_explicit_zero_init_dtype()
     from deepspeed.accelerator import real_accelerator
 
     current = real_accelerator.ds_accelerator
@@ -64,28 +63,26 @@ def async_io_problem() -> str | None:
     )
 
 
-def resolve_nvme_path(nvme_path: str | os.PathLike | None) -> str:
-    """The absolute, writable NVMe offload directory from ``nvme_path`` or ``$LIGHTSPEED_NVME_PATH`` (created if
-    missing); :class:`DeepSpeedConfigError` naming the fix otherwise."""
-    from lightspeed.core.deepspeed_config import DeepSpeedConfigError
+def honour_explicit_zero_init_dtype() -> None:
+    """Make ``deepspeed.zero.Init(dtype=...)`` keep the dtype it is given on every accelerator (idempotent).
 
-    path = nvme_path if nvme_path is not None else os.environ.get(NVME_PATH_ENV)
-    if not path:
-        raise DeepSpeedConfigError(
-            "NVMe offload needs a directory on a fast local disk: pass `ZeroStrategy(nvme_path=...)` or set the "
-            f"environment variable {NVME_PATH_ENV}."
-        )
-    path = Path(path).expanduser()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DeepSpeedConfigError(
-            f"NVMe offload path {str(path)!r} cannot be created ({err.strerror}). Choose a writable directory via "
-            f"`nvme_path=` or {NVME_PATH_ENV}."
-        ) from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise DeepSpeedConfigError(
-            f"NVMe offload path {str(path)!r} is not writable. Choose a writable directory via `nvme_path=` or "
-            f"{NVME_PATH_ENV}."
-        )
-    return str(path.resolve())
+    DeepSpeed ignores an explicit ``dtype`` when its accelerator reports no float16 support (``dtype or float16 if
+    fp16 else bfloat16 ...`` binds as ``(dtype or float16) if fp16 else ...``), which is the case for its CPU
+    accelerator on most CPUs. ZeRO-3 converts a model built outside ``zero.Init`` with ``dtype=<the model's dtype>``,
+    so a float32 run on such a CPU got bfloat16 NVMe parameter swap buffers. With this in place the explicit dtype is
+    used and DeepSpeed's own rule still applies when none is given.
+    """
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Init
+
+    original = Init._set_dtype
+    if getattr(original, "_lightspeed_explicit_dtype", False):
+        return
+
+    def _set_dtype(self: Any, ds_config: Any, dtype: Any) -> None:
+        if dtype is not None:
+            self.dtype = dtype
+            return
+        original(self, ds_config, dtype)
+
+    _set_dtype._lightspeed_explicit_dtype = True  # type: ignore[attr-defined]
+    Init._set_dtype = _set_dtype

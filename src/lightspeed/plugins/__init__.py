@@ -1,15 +1,7 @@
-"""Lightning plugins: precision (``plugins/precision``) and accelerators (``plugins/accelerators``).
+"""Lightning plugins: precision (``plugins/precision``) and accelerators (``plugins/accelerators``). Importing them
+does not import torch_xla; the XLA accelerator loads it when a Trainer uses it."""
 
-``from lightspeed.plugins import XLAPrecision`` works; the plugin modules load on first access.
-"""
+from lightspeed.plugins.accelerators import XLAAccelerator
+from lightspeed.plugins.precision import XLAPrecision
 
-from __future__ import annotations
-
-from lightspeed._lazy import lazy_getattr
-
-_LAZY = {
-    "XLAPrecision": "lightspeed.plugins.precision.xla",
-    "XLAAccelerator": "lightspeed.plugins.accelerators.xla",
-}
-__all__ = list(_LAZY)
-__getattr__ = lazy_getattr(__name__, _LAZY)
+__all__ = ["XLAAccelerator", "XLAPrecision"]

@@ -7,29 +7,18 @@ the mean loss over every item of the window on every rank (see :mod:`lightspeed.
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightspeed.strategies.exact_accumulation import ExactAccumulationMixin
+
+__all__ = ["DDPExactStrategy"]
 
 
 class DDPExactStrategy(ExactAccumulationMixin, DDPStrategy):
     """``DDPStrategy`` whose ``accumulate_grad_batches`` gives exactly the big-batch gradient.
 
-    Accepts every ``DDPStrategy`` argument plus ``sync_with_dataloader`` (see
-    :class:`~lightspeed.strategies.exact_accumulation.ExactAccumulationMixin`).
+    Accepts every ``DDPStrategy`` argument plus ``sync_with_dataloader`` (what a short last window of an epoch does;
+    see :class:`~lightspeed.strategies.exact_accumulation.ExactAccumulationMixin`).
     """
 
-    strategy_name = "ddp_exact"
-
-
-def register(registry: Any) -> None:
-    """Add ``ddp_exact`` to Lightning's strategy registry (re-registering replaces the entry)."""
-    registry.register(
-        DDPExactStrategy.strategy_name,
-        DDPExactStrategy,
-        description="DDP with exact gradient accumulation (short last window, item weighting, no_sync)",
-        override=True,
-        start_method="popen",
-    )
+    strategy_name = "ddp_exact"  # registered with Lightning by :mod:`lightspeed.registry`

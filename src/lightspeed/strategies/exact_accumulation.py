@@ -13,7 +13,7 @@ every ``N``-th micro-batch or the last one of the epoch, and runs the other micr
   count once and multiplies the gradients by ``W / T`` before ``on_before_optimizer_step`` and clipping see them.
 
 The result is the gradient of the mean loss over every item the window saw on every rank (proof in
-:mod:`lightspeed.core.accumulation_weights`), for full windows, the short last window of an epoch and uneven items.
+:mod:`lightspeed.core.accumulation`), for full windows, the short last window of an epoch and uneven items.
 
 Where the data has no length (an ``IterableDataset``) Lightning's prefetching fetcher still learns that a batch is
 the last one before running it, so the short last window steps at the epoch end and its gradient is scaled at step
@@ -29,24 +29,41 @@ or sums over ranks) and the :meth:`_exact_before_boundary` / :meth:`_exact_after
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from lightspeed.core.accumulation import ExactAccumulator, count_samples, distributed_sum, scale_gradients
+from lightspeed.core.accumulation import ExactAccumulator, distributed_sum, scale_gradients
+from lightspeed.core.batch import count_samples
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
+
+    # The mixins are placed before a Lightning strategy in the bases; type-check them as that strategy.
+    _StrategyBase = Strategy
+    _DeepSpeedStrategyBase = DeepSpeedStrategy
+else:
+    _StrategyBase = object
+    _DeepSpeedStrategyBase = object
+
+__all__ = ["DeepSpeedExactAccumulationMixin", "ExactAccumulationMixin"]
 
 
-class ExactAccumulationMixin:
+class ExactAccumulationMixin(_StrategyBase):
     """Makes ``accumulate_grad_batches`` produce the big-batch gradient; mix in before a Lightning ``Strategy``.
 
     Args:
-        sync_with_dataloader: ``True`` (default): the short last window of an epoch steps with its gradient scaled to
-            its real size. ``False``: every window must hold exactly ``accumulate_grad_batches`` micro-batches; a
-            short one raises (Lightning's loop always steps at the end of an epoch and zeroes gradients at the start
-            of the next, so windows cannot run on across epochs).
+        sync_with_dataloader: what the short last window of an epoch does (the one left when the epoch's number of
+            batches is not a multiple of ``accumulate_grad_batches``). ``True`` (default): it steps, with its
+            gradient scaled to the items it really saw. ``False``: every window must hold exactly
+            ``accumulate_grad_batches`` micro-batches, and a short one raises a ``ValueError`` at its step. Either
+            way a window never runs on into the next epoch: Lightning's loop steps at the end of every epoch and
+            zeroes the gradients at the start of the next.
     """
 
     _exact_gradients_averaged: bool = True
@@ -59,9 +76,14 @@ class ExactAccumulationMixin:
 
     # ----------------------------------------------------------------- state
     def _exact_active(self) -> bool:
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
-        return trainer is not None and module.automatic_optimization and trainer.training
+        return trainer is not None and module is not None and module.automatic_optimization and trainer.training
+
+    def _exact_trainer(self) -> pl.Trainer:
+        module = self.lightning_module
+        assert module is not None, "exact accumulation runs only while a LightningModule is attached"
+        return module.trainer
 
     @property
     def exact_accumulator(self) -> ExactAccumulator:
@@ -71,12 +93,13 @@ class ExactAccumulationMixin:
                 world_size=getattr(self, "world_size", 1),
                 all_reduce_sum=self._exact_all_reduce_sum,
                 gradients_averaged=self._exact_gradients_averaged,
-                device=self.root_device,  # type: ignore[attr-defined]
+                device=self.root_device,
             )
         return self._exact
 
+    @override
     def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
+        super().on_train_start()
         self._exact = None
         self._exact_multiplier = 1.0
 
@@ -90,15 +113,16 @@ class ExactAccumulationMixin:
         scale_gradients((p for group in optimizer.param_groups for p in group["params"]), factor)
 
     # ------------------------------------------------------------ the hooks
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        output = super().training_step(*args, **kwargs)
         if self._exact_active():
             batch = args[0] if args else kwargs.get("batch")
             self._exact_record(output, batch)
         return output
 
     def _exact_record(self, output: Any, batch: Any) -> None:
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        trainer = self._exact_trainer()
         accumulate = trainer.accumulate_grad_batches
         accumulator = self.exact_accumulator
         if trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0:
@@ -113,16 +137,16 @@ class ExactAccumulationMixin:
         num_samples = count_samples(batch) if num_items is None else None
         self._exact_multiplier = accumulator.record(loss, num_items, num_samples, normalized_by=accumulate)
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._exact_active() and self._exact_multiplier != 1.0:
             closure_loss = closure_loss * self._exact_multiplier
-        return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def optimizer_step(
-        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if not self._exact_active():
-            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_exact_scale() -> Any:
             result = closure()
@@ -131,7 +155,7 @@ class ExactAccumulationMixin:
 
         self._exact_before_boundary()
         try:
-            return super().optimizer_step(optimizer, closure_then_exact_scale, model, **kwargs)  # type: ignore[misc]
+            return super().optimizer_step(optimizer, closure_then_exact_scale, model, **kwargs)
         finally:
             self._exact_after_step()
 
@@ -144,7 +168,7 @@ class ExactAccumulationMixin:
     def _exact_finish_window(self, optimizer: Optimizer) -> float:
         """Close the window: check its size, all-reduce its counts once, scale the gradients; returns the factor."""
         accumulator = self.exact_accumulator
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        trainer = self._exact_trainer()
         accumulate = trainer.accumulate_grad_batches
         if not self.sync_with_dataloader and accumulator.micro_batches != accumulate:
             raise ValueError(
@@ -160,7 +184,7 @@ class ExactAccumulationMixin:
 
 
 # ---------------------------------------------------------------------------------------------------------- DeepSpeed
-def set_deepspeed_boundary(engine: Any, is_boundary: bool) -> None:
+def _set_deepspeed_boundary(engine: Any, is_boundary: bool) -> None:
     """Tell a DeepSpeed engine whether the next backward closes the accumulation window.
 
     Replaces the engine's own micro-step counter (which assumes every window has ``gradient_accumulation_steps``
@@ -170,7 +194,7 @@ def set_deepspeed_boundary(engine: Any, is_boundary: bool) -> None:
     engine.set_gradient_accumulation_boundary(is_boundary)
 
 
-def scale_deepspeed_gradients_at_step(engine: Any, factor: float) -> Callable[[], None]:
+def _scale_deepspeed_gradients_at_step(engine: Any, factor: float) -> Callable[[], None]:
     """Make the engine's next optimizer step use its accumulated gradients multiplied by ``factor``.
 
     ZeRO-1/2/3 keep reduced gradients in partitions that only their optimizer can see, and every one of them divides
@@ -202,42 +226,48 @@ def scale_deepspeed_gradients_at_step(engine: Any, factor: float) -> Callable[[]
     )
 
 
-class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin):
+class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin, _DeepSpeedStrategyBase):
     """Exact accumulation for Lightning's ``DeepSpeedStrategy`` subclasses (the ZeRO family); mix in first.
 
     * Lightning's loop owns accumulation (``handles_gradient_accumulation`` is ``False``), so ``optimizer_step``,
       ``on_before_optimizer_step``, ``optimizer_zero_grad`` and step schedulers run once per real step, and the
       short last window of an epoch steps instead of leaking into the next epoch.
-    * The engine is told each micro-batch's role (:func:`set_deepspeed_boundary`): non-boundary micro-batches run
+    * The engine is told each micro-batch's role (:func:`_set_deepspeed_boundary`): non-boundary micro-batches run
       in ``block_backward_sync`` with the boundary off, so ZeRO-1 does not reduce them; ZeRO-2/3 reduce-scatter
       every micro-batch by DeepSpeed's design (each rank keeps only its gradient partition).
     * ``engine.backward`` runs with ``scale_wrt_gas=False``: the mixin does the weighting itself.
     * The window factor ``W / T`` is applied through the ZeRO optimizer's loss scale for that one step
-      (:func:`scale_deepspeed_gradients_at_step`).
+      (:func:`_scale_deepspeed_gradients_at_step`).
     """
 
     _exact_restore: Callable[[], None] | None = None
 
     @property
+    @override
     def handles_gradient_accumulation(self) -> bool:
         return False
 
+    @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        set_deepspeed_boundary(self.model, False)  # type: ignore[attr-defined]
+        _set_deepspeed_boundary(self.model, False)
         yield
 
+    @override
     def _exact_before_boundary(self) -> None:
-        set_deepspeed_boundary(self.model, True)  # type: ignore[attr-defined]
+        _set_deepspeed_boundary(self.model, True)
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._exact_active():
             kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def _exact_scale_gradients(self, optimizer: Optimizer, factor: float) -> None:
-        self._exact_restore = scale_deepspeed_gradients_at_step(self.model, factor)  # type: ignore[attr-defined]
+        self._exact_restore = _scale_deepspeed_gradients_at_step(self.model, factor)
 
+    @override
     def _exact_after_step(self) -> None:
         if self._exact_restore is not None:
             self._exact_restore()

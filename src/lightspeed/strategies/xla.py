@@ -19,29 +19,41 @@ from __future__ import annotations
 
 import itertools
 import queue
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch.multiprocessing as mp
 from lightning.pytorch.plugins.precision.xla import XLAPrecision as _LightningXLAPrecision
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers.xla import _XLALauncher
 from lightning.pytorch.strategies.single_xla import SingleDeviceXLAStrategy
 from lightning.pytorch.strategies.xla import XLAStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+from typing_extensions import override
 
+from lightspeed.core.xla_runtime import (
+    check_bf16_supported,
+    pjrt_device_count,
+    torch_xla_installed,
+    torch_xla_missing_message,
+)
+from lightspeed.plugins.precision.xla import XLAPrecision
 from lightspeed.strategies.exact_accumulation import ExactAccumulationMixin
+
+__all__ = ["SingleDeviceXLAExactStrategy", "XLAExactStrategy"]
 
 # key -> (launcher, trainer, function, args, kwargs) while a launch is running; workers inherit it through fork
 _LAUNCH_TABLE: dict[int, tuple[Any, ...]] = {}
 _LAUNCH_KEYS = itertools.count()
 
 
-def _run_from_launch_table(process_idx: int, key: int, return_queue: Union[mp.SimpleQueue, queue.Queue]) -> None:
+def _run_from_launch_table(process_idx: int, key: int, return_queue: mp.SimpleQueue | queue.Queue) -> None:
     launcher, trainer, function, args, kwargs = _LAUNCH_TABLE[key]
     launcher._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue)
 
 
-def _spawn_one_device(process_idx: int, key: int, return_queue: Union[mp.SimpleQueue, queue.Queue]) -> None:
+def _spawn_one_device(process_idx: int, key: int, return_queue: mp.SimpleQueue | queue.Queue) -> None:
     """In a forked worker: ``xmp.spawn(nprocs=1)`` sets up one device and calls the function in this (the worker's)
     process."""
     import torch_xla.distributed.xla_multiprocessing as xmp
@@ -53,7 +65,7 @@ class _XLAForkLauncher(_XLALauncher):
     """Lightning's XLA launcher, except that the Trainer, the model and the function reach the workers by ``fork``
     inheritance instead of pickling; and the parent's model gets the trained dtypes back, not only the values."""
 
-    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             raise NotImplementedError(
                 "Calling `trainer.fit()` twice on the same Trainer instance with an XLA strategy is not supported."
@@ -61,13 +73,11 @@ class _XLAForkLauncher(_XLALauncher):
             )
         import torch_xla.distributed.xla_multiprocessing as xmp
 
-        from lightspeed.plugins.accelerators.xla import pjrt_device_count
-
         return_queue = mp.Manager().Queue()
         key = next(_LAUNCH_KEYS)
         _LAUNCH_TABLE[key] = (self, trainer, function, args, kwargs)
         try:
-            if self._strategy.num_processes == pjrt_device_count():
+            if self._strategy.num_processes == pjrt_device_count():  # type: ignore[attr-defined]
                 # every device: xmp.spawn forks the workers itself
                 process_context = xmp.spawn(
                     _run_from_launch_table, args=(key, return_queue), start_method=self._start_method
@@ -96,12 +106,12 @@ class _XLAForkLauncher(_XLALauncher):
     def _wrapping_function(
         self,
         process_idx: int,
-        trainer: Optional[Any],
+        trainer: Any | None,
         function: Callable,
         args: Any,
         kwargs: Any,
-        return_queue: Union[mp.SimpleQueue, queue.Queue],
-        global_states: Optional[Any] = None,
+        return_queue: mp.SimpleQueue | queue.Queue,
+        global_states: Any | None = None,
     ) -> None:
         """Lightning's, except that a one-device run trains the Trainer and the model themselves.
 
@@ -109,7 +119,7 @@ class _XLAForkLauncher(_XLALauncher):
         own thread; with one device of several only one thread runs, and the copy would defeat the fork sharing
         (and fail for a model that cannot be copied).
         """
-        if self._strategy.num_processes > 1:
+        if self._strategy.num_processes > 1:  # type: ignore[attr-defined]
             super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
             return
         from lightning.fabric.strategies.launchers.xla import _rank_teardown
@@ -128,37 +138,37 @@ class _XLAForkLauncher(_XLALauncher):
         super()._recover_results_in_main_process(worker_output, trainer)
 
 
-def _check_bf16_in_worker(precision: Any, device_type: Optional[str]) -> None:
+def _check_bf16_in_worker(precision: Any, device_type: str | None) -> None:
     """Inside a worker the runtime runs, so the device can be asked whether it does bfloat16."""
     from torch_xla import runtime as xr
-
-    from lightspeed.plugins.accelerators.xla import check_bf16_supported
 
     check_bf16_supported(str(precision.precision), device_type, bool(xr.is_bf16_supported()))
 
 
 def _require_torch_xla() -> None:
-    from lightspeed.plugins.accelerators.xla import torch_xla_installed, torch_xla_missing_message
-
     if not torch_xla_installed():
         raise ModuleNotFoundError(torch_xla_missing_message())
 
 
 def _default_precision() -> _LightningXLAPrecision:
-    from lightspeed.plugins.precision.xla import XLAPrecision
-
     return XLAPrecision("32-true")
 
 
-class _LightspeedXLAStrategyMixin:
+if TYPE_CHECKING:
+    _StrategyBase = Strategy  # the mixin is only ever combined with Lightning's XLA strategies
+else:
+    _StrategyBase = object
+
+
+class _LightspeedXLAStrategyMixin(_StrategyBase):
     """What both strategies add to Lightning's: lightspeed's ``XLAPrecision`` as the default precision plugin, the
-    bfloat16 check once the runtime runs, and registration under ``strategy_name``."""
+    bfloat16 check once the runtime runs."""
 
     strategy_name: str
-    strategy_description: str
-    _precision_plugin: Optional[_LightningXLAPrecision]
+    _precision_plugin: _LightningXLAPrecision | None
 
     @property
+    @override
     def precision_plugin(self) -> _LightningXLAPrecision:
         plugin = self._precision_plugin
         if plugin is None:
@@ -168,15 +178,12 @@ class _LightspeedXLAStrategyMixin:
     @precision_plugin.setter
     def precision_plugin(self, precision_plugin: Any) -> None:
         # Lightning's setter (it rejects anything but an XLAPrecision)
-        super(_LightspeedXLAStrategyMixin, type(self)).precision_plugin.fset(self, precision_plugin)  # type: ignore[misc]
+        super(_LightspeedXLAStrategyMixin, type(self)).precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]
 
+    @override
     def setup_environment(self) -> None:
-        super().setup_environment()  # type: ignore[misc]
-        _check_bf16_in_worker(self.precision_plugin, getattr(self.accelerator, "device_type", None))  # type: ignore[attr-defined]
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description, override=True)
+        super().setup_environment()
+        _check_bf16_in_worker(self.precision_plugin, getattr(self.accelerator, "device_type", None))
 
 
 class XLAExactStrategy(_LightspeedXLAStrategyMixin, ExactAccumulationMixin, XLAStrategy):
@@ -188,19 +195,20 @@ class XLAExactStrategy(_LightspeedXLAStrategyMixin, ExactAccumulationMixin, XLAS
     """
 
     strategy_name = "xla_exact"
-    strategy_description = "XLA on all PJRT devices with exact gradient accumulation and casting XLAPrecision"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _require_torch_xla()
         super().__init__(*args, **kwargs)
 
+    @override
     def _configure_launcher(self) -> None:
         self._launcher = _XLAForkLauncher(self)
 
+    @override
     def setup_distributed(self) -> None:
         from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def _exact_all_reduce_sum(self, tensor: Tensor) -> Tensor:
         import torch_xla.core.xla_model as xm
@@ -215,18 +223,7 @@ class SingleDeviceXLAExactStrategy(_LightspeedXLAStrategyMixin, ExactAccumulatio
     """
 
     strategy_name = "single_xla_exact"
-    strategy_description = "One XLA device with exact gradient accumulation and casting XLAPrecision"
 
     def __init__(self, device: Any = 0, *args: Any, **kwargs: Any) -> None:
         _require_torch_xla()
         super().__init__(device, *args, **kwargs)
-
-
-def register(registry: Any) -> None:
-    """Add ``xla_exact`` and ``single_xla_exact`` to Lightning's strategy registry and ``accelerator="xla"`` to its
-    accelerator registry (idempotent; torch_xla is not imported)."""
-    XLAExactStrategy.register_strategies(registry)
-    SingleDeviceXLAExactStrategy.register_strategies(registry)
-    from lightspeed.plugins.accelerators import register_accelerators
-
-    register_accelerators()

@@ -13,13 +13,10 @@ Built on Lightning's ``DeepSpeedStrategy`` (launchers, engine wiring, checkpoint
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generator, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -28,78 +25,42 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import DeepSpeedStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
+from typing_extensions import override
 
 from lightspeed.core import atomic_dir
 from lightspeed.core.cpu_optimizer import describe_conversion, retarget_lr_scheduler, to_deepspeed_cpu_adam
 from lightspeed.core.deepspeed_config import (
     DeepSpeedConfigError,
-    OptimizerFacts,
-    TrainingFacts,
+    ZeroTuning,
+    build_zero_config,
+    config_offloads_optimizer,
+    config_stage,
+    config_uses_nvme,
     describe_config,
-    find_hidden_size,
-    load_user_config,
-    merge_configs,
     resolve_config_with_notes,
-    validate_keys,
-    zero_preset,
 )
 from lightspeed.core.deepspeed_runtime import (
-    NVME_PATH_ENV,
     async_io_problem,
     deepspeed_device_rank,
     export_deepspeed_accelerator,
-    resolve_nvme_path,
     use_deepspeed_accelerator,
 )
+from lightspeed.core.distributed import raise_on_every_rank
+from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationMixin
 
 if TYPE_CHECKING:
     import deepspeed
     import lightning.pytorch as pl
 
+__all__ = ["ZeroStrategy"]
+
 log = logging.getLogger(__name__)
 
 #: file written next to DeepSpeed's files in every checkpoint directory
 RESOLVED_CONFIG_FILENAME = "ds_config.json"
-_OFFLOAD_TARGETS = ("none", "cpu", "nvme")
-
-#: registered strategy name -> (constructor arguments, description)
-ZERO_STRATEGY_PRESETS: dict[str, tuple[dict[str, Any], str]] = {
-    "zero1": ({"stage": 1}, "ZeRO-1: optimizer states partitioned across ranks"),
-    "zero1_offload": (
-        {"stage": 1, "offload_optimizer": "cpu"},
-        "ZeRO-1 with optimizer states and step on the CPU (DeepSpeed CPU Adam)",
-    ),
-    "zero2": ({"stage": 2}, "ZeRO-2: optimizer states and gradients partitioned"),
-    "zero2_offload": (
-        {"stage": 2, "offload_optimizer": "cpu"},
-        "ZeRO-2 with optimizer states and step on the CPU (ZeRO-Offload)",
-    ),
-    "zero3": ({"stage": 3}, "ZeRO-3: optimizer states, gradients and parameters partitioned"),
-    "zero3_offload": (
-        {"stage": 3, "offload_optimizer": "cpu", "offload_parameters": "cpu"},
-        "ZeRO-3 with optimizer states and parameters offloaded to the CPU",
-    ),
-    "zero3_nvme": (
-        {"stage": 3, "offload_optimizer": "nvme", "offload_parameters": "nvme"},
-        "ZeRO-Infinity: optimizer states and parameters offloaded to NVMe (nvme_path or $LIGHTSPEED_NVME_PATH)",
-    ),
-}
-
-
-def _offload_target(value: Union[str, bool, None], argument: str) -> str:
-    if value is None or value is False:
-        return "none"
-    if value is True:
-        return "cpu"
-    if value not in _OFFLOAD_TARGETS:
-        raise DeepSpeedConfigError(
-            f"`{argument}={value!r}` is not an offload target. Use one of {_OFFLOAD_TARGETS} (or True for 'cpu')."
-        )
-    return value
 
 
 class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
@@ -123,62 +84,50 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
     """
 
     strategy_name = "zero"
+    config: dict[str, Any]  # always built (Lightning's attribute may be None; ours never is)
 
     def __init__(
         self,
         stage: int = 2,
-        offload_optimizer: Union[str, bool, None] = "none",
-        offload_parameters: Union[str, bool, None] = "none",
-        nvme_path: Optional[_PATH] = None,
+        offload_optimizer: str | bool | None = "none",
+        offload_parameters: str | bool | None = "none",
+        nvme_path: _PATH | None = None,
         pin_memory: bool = True,
-        reduce_bucket_size: Union[int, str] = "auto",
-        allgather_bucket_size: Union[int, str] = "auto",
-        prefetch_bucket_size: Union[int, str] = "auto",
-        param_persistence_threshold: Union[int, str] = "auto",
-        sub_group_size: Optional[int] = None,
-        config: Optional[Union[_PATH, dict[str, Any]]] = None,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[Any] = None,
-        precision_plugin: Optional[Any] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        reduce_bucket_size: int | str = "auto",
+        allgather_bucket_size: int | str = "auto",
+        prefetch_bucket_size: int | str = "auto",
+        param_persistence_threshold: int | str = "auto",
+        sub_group_size: int | None = None,
+        config: _PATH | dict[str, Any] | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any | None = None,
+        precision_plugin: Any | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         logging_level: int = logging.WARN,
         exclude_frozen_parameters: bool = False,
         load_full_weights: bool = False,
         sync_with_dataloader: bool = True,
     ) -> None:
-        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-            raise DeepSpeedConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}.")
-        optimizer_target = _offload_target(offload_optimizer, "offload_optimizer")
-        parameter_target = _offload_target(offload_parameters, "offload_parameters")
-        uses_nvme = "nvme" in (optimizer_target, parameter_target)
-        resolved_nvme_path = resolve_nvme_path(nvme_path) if uses_nvme else None
-
-        user_config = load_user_config(config)
-        preset = zero_preset(
+        deepspeed_config = build_zero_config(
             stage,
-            offload_optimizer=optimizer_target,
-            offload_parameters=parameter_target,
-            nvme_path=resolved_nvme_path,
-            pin_memory=pin_memory,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
-            prefetch_bucket_size=prefetch_bucket_size,
-            param_persistence_threshold=param_persistence_threshold,
-            sub_group_size=sub_group_size,
+            offload_optimizer,
+            offload_parameters,
+            nvme_path=nvme_path,
+            user_config=config,
+            tuning=ZeroTuning(
+                pin_memory=pin_memory,
+                reduce_bucket_size=reduce_bucket_size,
+                allgather_bucket_size=allgather_bucket_size,
+                prefetch_bucket_size=prefetch_bucket_size,
+                param_persistence_threshold=param_persistence_threshold,
+                sub_group_size=sub_group_size,
+            ),
         )
-        if not isinstance(user_config.get("zero_optimization", {}), dict):
-            raise DeepSpeedConfigError(
-                "`zero_optimization` must be an object such as {\"stage\": 2}; lightspeed's ZeRO strategies choose "
-                "the stage by name or `stage=`, so the boolean form is not accepted."
-            )
-        merged = merge_configs(preset, user_config)
-        validate_keys(merged)
-
-        super().__init__(
+        self._init_lightning(
+            deepspeed_config,
             accelerator=accelerator,
-            config=merged,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             precision_plugin=precision_plugin,
@@ -189,25 +138,37 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
             load_full_weights=load_full_weights,
             sync_with_dataloader=sync_with_dataloader,
         )
-        self.config = merged  # unresolved until setup: "auto" values need the Trainer and the model
-        self.stage = self.config.get("zero_optimization", {}).get("stage", stage)
-        self.uses_nvme = uses_nvme
-        self._train_engine: Optional["deepspeed.DeepSpeedEngine"] = None
+
+    def _init_lightning(self, deepspeed_config: dict[str, Any], **strategy_kwargs: Any) -> None:
+        """Lightning's ``DeepSpeedStrategy`` set-up (``strategy_kwargs``: the Lightning arguments of ``__init__``)
+        around an already built DeepSpeed config, whose ``"auto"`` values stay until setup."""
+        super().__init__(config=deepspeed_config, **strategy_kwargs)
+        self.config = deepspeed_config
+        self._train_engine: deepspeed.DeepSpeedEngine | None = None
         self._config_logged = False
         self._swept_staging = False
 
-    # ------------------------------------------------------------------ registration
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (init_params, description) in ZERO_STRATEGY_PRESETS.items():
-            strategy_registry.register(name, cls, description=description, override=True, **init_params)
-
     # ------------------------------------------------------------------ properties
+    def _module(self) -> pl.LightningModule:
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("The ZeRO strategy has no LightningModule yet; it is attached by the Trainer.")
+        return module
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage of the config in force."""
+        return config_stage(self.config)
+
+    @property
+    def uses_nvme(self) -> bool:
+        """Whether anything is offloaded to NVMe."""
+        return config_uses_nvme(self.config)
+
     @property
     def offloads_optimizer(self) -> bool:
         """True when the optimizer step runs on the CPU/NVMe (DeepSpeed CPU Adam)."""
-        target = self.config.get("zero_optimization", {}).get("offload_optimizer", {}) or {}
-        return target.get("device", "none") in ("cpu", "nvme")
+        return config_offloads_optimizer(self.config)
 
     @property
     def resolved_config(self) -> dict[str, Any]:
@@ -225,6 +186,7 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         )
 
     # ------------------------------------------------------------------ before any process starts
+    @override
     def _configure_launcher(self) -> None:
         # Runs in Trainer.__init__, before launching: the right place for checks that must fail early and for the
         # environment every rank inherits.
@@ -248,6 +210,7 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
                 )
 
     # ------------------------------------------------------------------ process setup
+    @override
     def setup_environment(self) -> None:
         kind = self._device_kind()
         use_deepspeed_accelerator(kind)
@@ -258,9 +221,11 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         if kind == "cuda":
             super().setup_environment()  # Lightning's checks and CUDA device selection
             return
+        assert self.accelerator is not None  # set by the Trainer before setup_environment
         self.accelerator.setup_device(self.root_device)
         self.setup_distributed()
 
+    @override
     def setup_distributed(self) -> None:
         if self._device_kind() == "cuda":
             super().setup_distributed()
@@ -271,8 +236,14 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         self._init_deepspeed_distributed()
 
     # ------------------------------------------------------------------ config resolution
+    @override
     def _format_config(self) -> None:
-        resolved, notes = resolve_config_with_notes(self.config, self._training_facts())
+        resolved, notes = resolve_config_with_notes(
+            self.config,
+            collect_training_facts(
+                self.lightning_module, self.world_size, self.precision_plugin.precision, self.config
+            ),
+        )
         self.config = resolved
         if not self._config_logged:
             for note in notes:
@@ -280,63 +251,11 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
             rank_zero_info(f"lightspeed: resolved DeepSpeed config\n{describe_config(resolved)}")
             self._config_logged = True
 
-    def _training_facts(self) -> TrainingFacts:
-        module = self.lightning_module
-        trainer = module.trainer if module is not None else None
-        if trainer is None:
-            return TrainingFacts(
-                world_size=self.world_size, micro_batch_size=None, accumulate_grad_batches=1,
-                gradient_clip_val=None, precision=self.precision_plugin.precision,
-                hidden_size=find_hidden_size(module) if module is not None else None,
-            )
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        return TrainingFacts(
-            world_size=self.world_size,
-            micro_batch_size=self._train_micro_batch_size() if fitting else None,
-            accumulate_grad_batches=trainer.accumulate_grad_batches,
-            gradient_clip_val=trainer.gradient_clip_val,
-            precision=self.precision_plugin.precision,
-            hidden_size=find_hidden_size(module),
-            optimizer=self._optimizer_facts() if fitting else None,
-            total_steps=self._total_steps() if fitting else None,
-        )
-
-    def _train_micro_batch_size(self) -> Optional[int]:
-        data_source = self.lightning_module.trainer.fit_loop._data_source
-        if not data_source.is_defined():
-            return None
-        loader = data_source.dataloader()
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        batch_size = getattr(batch_sampler, "batch_size", None) or getattr(loader, "batch_size", None)
-        return int(batch_size) if batch_size else None
-
-    def _optimizer_facts(self) -> Optional[OptimizerFacts]:
-        # Only needed when the DeepSpeed config defines its own optimizer with "auto" hyperparameters.
-        section = self.config.get("optimizer")
-        if not section or "auto" not in json.dumps(section):
-            return None
-        optimizers, _ = _init_optimizers_and_lr_schedulers(self.lightning_module)
-        if not optimizers:
-            return None
-        defaults = optimizers[0].defaults
-        return OptimizerFacts(
-            type_name=type(optimizers[0]).__name__,
-            lr=float(defaults["lr"]),
-            betas=tuple(defaults["betas"]) if "betas" in defaults else None,
-            eps=defaults.get("eps"),
-            weight_decay=defaults.get("weight_decay"),
-        )
-
-    def _total_steps(self) -> Optional[int]:
-        if "auto" not in json.dumps(self.config.get("scheduler", {})):
-            return None
-        steps = self.lightning_module.trainer.estimated_stepping_batches
-        return int(steps) if steps != float("inf") else None
-
     # ------------------------------------------------------------------ engine construction
-    def _init_optimizers(self) -> tuple[torch.optim.Optimizer, Optional[LRSchedulerConfig]]:
+    @override
+    def _init_optimizers(self) -> tuple[torch.optim.Optimizer, LRSchedulerConfig | None]:
         try:
-            optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
+            optimizers, schedulers = _init_optimizers_and_lr_schedulers(self._module())
         except RuntimeError as err:
             # Lightning's own message suggests manual optimization, which does not help under ZeRO either
             if "multiple optimizers" not in str(err):
@@ -360,9 +279,10 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
                 optimizer = converted
         return optimizer, scheduler
 
+    @override
     def _setup_model_and_optimizer(
-        self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Any = None
-    ) -> tuple["deepspeed.DeepSpeedEngine", torch.optim.Optimizer]:
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[deepspeed.DeepSpeedEngine, torch.optim.Optimizer]:
         import deepspeed
 
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
@@ -376,8 +296,9 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         )
         return engine, deepspeed_optimizer
 
+    @override
     def init_deepspeed(self) -> None:
-        trainer = self.lightning_module.trainer
+        trainer = self._module().trainer
         reusable = self._train_engine is not None and self._train_engine.module is self.lightning_module
         if not trainer.training and reusable:
             # validate/test/predict after fit: the training engine already holds the (sharded) weights
@@ -387,6 +308,7 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         if trainer.training:
             self._train_engine = self.model
 
+    @override
     def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
         import deepspeed
         from lightning.pytorch.strategies.deepspeed import remove_module_hooks
@@ -412,6 +334,7 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         )
         self.model = engine
 
+    @override
     def teardown(self) -> None:
         if self._train_engine is None or self._device_kind() == "cpu":
             super().teardown()
@@ -425,7 +348,8 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         self.checkpoint_io.teardown()
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
         """Save through DeepSpeed into a staging directory; commit it only when every rank has finished."""
         if storage_options is not None:
             raise TypeError(
@@ -445,41 +369,44 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         def write() -> None:
             client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             self.deepspeed_engine.save_checkpoint(
-                str(staging), client_state=client_state, tag="checkpoint",
+                str(staging),
+                client_state=client_state,
+                tag="checkpoint",
                 exclude_frozen_parameters=self.exclude_frozen_parameters,
             )
 
         def commit() -> None:
             if self.is_global_zero:
                 (staging / RESOLVED_CONFIG_FILENAME).write_text(describe_config(self.config))
-                atomic_dir.commit(filepath, manifest={
-                    "writer": "lightspeed",
-                    "world_size": self.world_size,
-                    "zero_stage": self.stage,
-                    "tag": "checkpoint",
-                    "global_step": checkpoint.get("global_step"),
-                    "epoch": checkpoint.get("epoch"),
-                })
+                atomic_dir.commit(
+                    filepath,
+                    manifest={
+                        "writer": "lightspeed",
+                        "world_size": self.world_size,
+                        "zero_stage": self.stage,
+                        "tag": "checkpoint",
+                        "global_step": checkpoint.get("global_step"),
+                        "epoch": checkpoint.get("epoch"),
+                    },
+                )
 
+        what = f"Saving checkpoint {filepath!r}"
         for phase in (prepare, write, commit):
-            self._run_on_all_ranks(phase, f"Saving checkpoint {filepath!r}")
-
-    def _run_on_all_ranks(self, phase: Any, what: str) -> None:
-        """Run ``phase`` on every rank, then agree: if it failed anywhere, every rank raises (no rank is left
-        waiting in a collective for one that died of a full disk or a permission error)."""
-        error: Optional[BaseException] = None
-        try:
-            phase()
-        except Exception as err:  # noqa: BLE001 - re-raised below on this rank, reported on the others
-            error = err
-        if not self.reduce_boolean_decision(error is None, all=True):
-            if error is not None:
-                raise error
-            raise RuntimeError(
-                f"{what} failed on another rank (its own error says why); the previous checkpoint is untouched."
+            # every rank raises when a phase failed anywhere: none is left waiting for one that hit a full disk
+            error: BaseException | None = None
+            try:
+                phase()
+            except Exception as err:  # noqa: BLE001 - re-raised on this rank, reported on the others
+                error = err
+            raise_on_every_rank(
+                error,
+                what,
+                others_message=f"{what} failed on another rank (its own error says why); the previous checkpoint "
+                "is untouched.",
             )
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
         if not path.exists():
             atomic_dir.require_complete(path)  # explains a save interrupted mid-swap, or that nothing is there
@@ -498,8 +425,3 @@ def _one_optimizer_error(returned: str) -> DeepSpeedConfigError:
         f"ZeRO strategies train with exactly one optimizer, but `configure_optimizers` returned {returned}. Use one "
         "optimizer with several param groups (each group can have its own lr and weight_decay)."
     )
-
-
-def register(registry: Any) -> None:
-    """Add ``zero1`` ... ``zero3_nvme`` to Lightning's StrategyRegistry."""
-    ZeroStrategy.register_strategies(registry)

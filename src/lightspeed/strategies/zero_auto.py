@@ -9,15 +9,27 @@ and host memory; the smallest budgets across ranks decide, so all ranks make the
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import os
+from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Generator, Optional, Union
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
-from lightspeed.core.deepspeed_config import DeepSpeedConfigError, load_user_config, merge_configs, validate_keys, zero_preset
+from lightspeed.core.deepspeed_config import (
+    NVME_PATH_ENV,
+    DeepSpeedConfigError,
+    ZeroTuning,
+    build_zero_config,
+    check_zero_section,
+    load_user_config,
+    validate_keys,
+)
 from lightspeed.core.memory import (
     DEFAULT_SAFETY_MARGIN,
     ZERO_OPTIONS,
@@ -34,12 +46,14 @@ from lightspeed.core.memory import (
     parse_size,
     plan,
 )
-from lightspeed.core.deepspeed_runtime import NVME_PATH_ENV, resolve_nvme_path
 from lightspeed.strategies.zero import ZeroStrategy
+
+__all__ = ["ZeroAutoStrategy"]
 
 log = logging.getLogger(__name__)
 
 _CHOSEN_BY_ZERO_AUTO = ("stage", "offload_optimizer", "offload_param")
+_TUNING_ARGUMENTS = tuple(field.name for field in dataclasses.fields(ZeroTuning))
 
 
 class ZeroAutoStrategy(ZeroStrategy):
@@ -53,7 +67,8 @@ class ZeroAutoStrategy(ZeroStrategy):
         nvme_path: allows NVMe offload (as the last resort) into this directory; default ``$LIGHTSPEED_NVME_PATH``.
         optimizer_state_bytes: optimizer state per parameter (8: Adam/AdamW; 4: SGD with momentum).
         config: a DeepSpeed config merged over the chosen preset; it must not set the stage or offload targets.
-        **kwargs: the other :class:`ZeroStrategy` arguments (pin_memory, bucket sizes, sub_group_size, ...).
+        **kwargs: the other :class:`ZeroStrategy` arguments: ``pin_memory``, the bucket sizes, ``sub_group_size``
+            (applied to whichever stage is chosen, where that stage has them) and Lightning's.
     """
 
     strategy_name = "zero_auto"
@@ -61,17 +76,11 @@ class ZeroAutoStrategy(ZeroStrategy):
     def __init__(
         self,
         safety_margin: float = DEFAULT_SAFETY_MARGIN,
-        device_memory: Union[int, str, None] = None,
-        host_memory: Union[int, str, None] = None,
-        nvme_path: Optional[str] = None,
+        device_memory: int | str | None = None,
+        host_memory: int | str | None = None,
+        nvme_path: str | None = None,
         optimizer_state_bytes: int = 8,
-        config: Optional[Union[str, os.PathLike, dict[str, Any]]] = None,
-        pin_memory: bool = True,
-        reduce_bucket_size: Union[int, str] = "auto",
-        allgather_bucket_size: Union[int, str] = "auto",
-        prefetch_bucket_size: Union[int, str] = "auto",
-        param_persistence_threshold: Union[int, str] = "auto",
-        sub_group_size: Optional[int] = None,
+        config: str | os.PathLike | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         for forbidden in ("stage", "offload_optimizer", "offload_parameters"):
@@ -81,6 +90,7 @@ class ZeroAutoStrategy(ZeroStrategy):
                     "ZeroStrategy(stage=3, offload_optimizer='cpu')."
                 )
         user_config = load_user_config(config)
+        check_zero_section(user_config)
         chosen_keys = [k for k in _CHOSEN_BY_ZERO_AUTO if k in user_config.get("zero_optimization", {})]
         if chosen_keys:
             raise DeepSpeedConfigError(
@@ -88,23 +98,23 @@ class ZeroAutoStrategy(ZeroStrategy):
                 + ", ".join(f"zero_optimization.{k}" for k in chosen_keys)
                 + ". Remove them, or use a fixed strategy (zero1 ... zero3_nvme)."
             )
+        validate_keys(user_config)  # typos fail now; the full config is built once the option is chosen
+        inspect.signature(ZeroStrategy).bind_partial(**kwargs)  # a misspelt argument is a TypeError naming it
+        tuning = ZeroTuning(**{name: kwargs.pop(name) for name in _TUNING_ARGUMENTS if name in kwargs})
         if not 0 <= safety_margin < 1:
-            raise MemoryPlanError(f"safety_margin is a fraction of memory kept free, between 0 and 1; got {safety_margin}.")
-        super().__init__(stage=2, config=user_config, pin_memory=pin_memory, reduce_bucket_size=reduce_bucket_size,
-                         allgather_bucket_size=allgather_bucket_size, **kwargs)
+            raise MemoryPlanError(
+                f"safety_margin is a fraction of memory kept free, between 0 and 1; got {safety_margin}."
+            )
+        self._init_lightning(user_config, **kwargs)
         self.safety_margin = safety_margin
         self.device_memory = parse_size(device_memory, "device_memory") if device_memory is not None else None
         self.host_memory = parse_size(host_memory, "host_memory") if host_memory is not None else None
         self.nvme_path = nvme_path if nvme_path is not None else os.environ.get(NVME_PATH_ENV)
         self.optimizer_state_bytes = optimizer_state_bytes
         self._user_config = user_config
-        self._preset_args = {
-            "pin_memory": pin_memory, "reduce_bucket_size": reduce_bucket_size,
-            "allgather_bucket_size": allgather_bucket_size, "prefetch_bucket_size": prefetch_bucket_size,
-            "param_persistence_threshold": param_persistence_threshold, "sub_group_size": sub_group_size,
-        }
-        self.memory_plan: Optional[Plan] = None
-        self.chosen_option: Optional[ZeroOption] = None
+        self._tuning = tuning
+        self.memory_plan: Plan | None = None
+        self.chosen_option: ZeroOption | None = None
 
     # ------------------------------------------------------------------ measuring
     def _model_has_parameters(self) -> bool:
@@ -120,17 +130,20 @@ class ZeroAutoStrategy(ZeroStrategy):
         local = self._local_budgets()
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or self.world_size == 1:
             return local
-        gathered: list[Optional[Budgets]] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, local)
+        received: list[Budgets | None] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(received, local)
+        gathered = [budgets for budgets in received if budgets is not None]  # every rank sent one
 
-        def smallest(values: list[Optional[int]]) -> Optional[int]:
+        def smallest(values: list[int | None]) -> int | None:
             known = [v for v in values if v is not None]
             return min(known) if known else None
 
         return Budgets(
             device_memory=smallest([b.device_memory for b in gathered]),
             host_memory=min(b.host_memory for b in gathered),
-            nvme_free=smallest([b.nvme_free for b in gathered]) if all(b.nvme_free is not None for b in gathered) else None,
+            nvme_free=smallest([b.nvme_free for b in gathered])
+            if all(b.nvme_free is not None for b in gathered)
+            else None,
             nvme_unusable=next((b.nvme_unusable for b in gathered if b.nvme_unusable), None),
         )
 
@@ -141,9 +154,10 @@ class ZeroAutoStrategy(ZeroStrategy):
     # ------------------------------------------------------------------ choosing
     def choose(self) -> ZeroOption:
         """Measure, plan, log the table and configure this strategy as the chosen option."""
-        counts = count_parameters(self.lightning_module)
-        accounting = Accounting(precision=self.precision_plugin.precision,
-                                optimizer_state_bytes=self.optimizer_state_bytes)
+        counts = count_parameters(self._module())
+        accounting = Accounting(
+            precision=self.precision_plugin.precision, optimizer_state_bytes=self.optimizer_state_bytes
+        )
         result = plan(counts, self._cluster(), self._agreed_budgets(), accounting, self.safety_margin, ZERO_OPTIONS)
         self.memory_plan = result
         if result.choice is None:
@@ -155,28 +169,24 @@ class ZeroAutoStrategy(ZeroStrategy):
         return option
 
     def _configure_as(self, option: ZeroOption) -> None:
-        args = dict(self._preset_args)
-        if option.stage == 3:
-            args["allgather_bucket_size"] = "auto"  # stage 3 gathers in prefetch_bucket_size chunks
-        else:
-            args.update(prefetch_bucket_size="auto", param_persistence_threshold="auto", sub_group_size=None)
-        uses_nvme = "nvme" in (option.offload_optimizer, option.offload_parameters)
-        preset = zero_preset(option.stage, offload_optimizer=option.offload_optimizer,
-                             offload_parameters=option.offload_parameters,
-                             nvme_path=resolve_nvme_path(self.nvme_path) if uses_nvme else None, **args)
-        merged = merge_configs(preset, self._user_config)
-        validate_keys(merged)
-        self.config = merged
-        self.stage = option.stage
-        self.uses_nvme = uses_nvme
+        self.config = build_zero_config(
+            option.stage,
+            option.offload_optimizer,
+            option.offload_parameters,
+            nvme_path=self.nvme_path,
+            user_config=self._user_config,
+            tuning=self._tuning.for_stage(option.stage),
+        )
 
     # ------------------------------------------------------------------ hooks
+    @override
     def _format_config(self) -> None:
         if self.chosen_option is None:
             self.choose()
         super()._format_config()
 
     @contextmanager
+    @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         if self.chosen_option is None and not self._model_has_parameters():
             # the layers are created in configure_model: build them in full, measure and choose afterwards
@@ -184,11 +194,3 @@ class ZeroAutoStrategy(ZeroStrategy):
             return
         with super().model_sharded_context():
             yield
-
-
-def register(registry: Any) -> None:
-    """Add ``zero_auto`` to Lightning's StrategyRegistry."""
-    registry.register(
-        "zero_auto", ZeroAutoStrategy, override=True,
-        description="ZeRO with the fastest stage/offload that fits the model in this machine's memory",
-    )

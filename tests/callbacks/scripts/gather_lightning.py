@@ -24,9 +24,8 @@ import torchmetrics
 from torch.utils.data import DataLoader, IterableDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core" / "scripts"))
-from gather_data import NUM_CLASSES, LengthIterable, MapData, ShardedIterable, model  # noqa: E402
-
 import lightning as L  # noqa: E402
+from gather_data import NUM_CLASSES, LengthIterable, MapData, ShardedIterable, model  # noqa: E402
 
 import lightspeed  # noqa: E402
 from lightspeed.callbacks import GatherForMetrics  # noqa: E402
@@ -66,7 +65,9 @@ class RankShard(IterableDataset):
 
     def __iter__(self):
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        shard = LengthIterable(self.n, rank, world) if self.with_len else ShardedIterable(self.n, rank, world, padded=False)
+        shard = (
+            LengthIterable(self.n, rank, world) if self.with_len else ShardedIterable(self.n, rank, world, padded=False)
+        )
         return iter(shard)
 
 
@@ -156,7 +157,7 @@ class EvalModule(L.LightningModule):
 
 
 class Rank1Differs(L.LightningModule):
-    """``validation_step`` returns ``outputs(preds, target, rank)``, so that rank 1 can return what the others do not."""
+    """``validation_step`` returns ``outputs(preds, target, rank)``, so that rank 1 can return what the others don't."""
 
     def __init__(self, outputs) -> None:
         super().__init__()
@@ -171,8 +172,14 @@ class Rank1Differs(L.LightningModule):
 def validation_error(world: int, callback: GatherForMetrics, module: L.LightningModule, n: int) -> str | None:
     """The error this rank got from validating ``module`` over ``n`` samples (every rank must get one, none hang)."""
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy="ddp", callbacks=[callback], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     try:
         trainer.validate(module, dataloaders=DataLoader(MapData(n), batch_size=2), verbose=False)
@@ -183,10 +190,17 @@ def validation_error(world: int, callback: GatherForMetrics, module: L.Lightning
 
 def wrong_keys_errors(world: int) -> dict[str, str | None]:
     """Per gather_every mode: the error when rank 1's step returns the wrong keys."""
-    module = Rank1Differs(lambda p, y, rank: {"logits": p, "labels": y} if rank == 1 else {"logits_argmax": p, "labels": y})
+    module = Rank1Differs(
+        lambda p, y, rank: {"logits": p, "labels": y} if rank == 1 else {"logits_argmax": p, "labels": y}
+    )
     metrics = {"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")}
     return {
-        mode: validation_error(world, GatherForMetrics(metrics, preds_key="logits_argmax", target_key="labels", gather_every=mode), module, 7)
+        mode: validation_error(
+            world,
+            GatherForMetrics(metrics, preds_key="logits_argmax", target_key="labels", gather_every=mode),
+            module,
+            7,
+        )
         for mode in dict.fromkeys(MODES.values())
     }
 
@@ -194,7 +208,9 @@ def wrong_keys_errors(world: int) -> dict[str, str | None]:
 def ragged_errors(world: int) -> str | None:
     """The error when rank 1's predictions have 4 columns and the others' 1: the ranks size their windows apart."""
     module = Rank1Differs(lambda p, y, rank: {"preds": p[:, None].repeat(1, 4 if rank == 1 else 1), "target": y})
-    callback = GatherForMetrics({"n": lambda preds, target: torch.tensor(float(len(preds)))}, buffer_limit=64)  # 2 batches of 1 column
+    callback = GatherForMetrics(
+        {"n": lambda preds, target: torch.tensor(float(len(preds)))}, buffer_limit=64
+    )  # 2 batches of 1 column
     return validation_error(world, callback, module, 4 * world)
 
 
@@ -214,17 +230,32 @@ def main() -> None:
     # the same metrics gathered in the other windows
     others = [
         GatherForMetrics(
-            {"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro"), "sizes": UpdateSizes()},
-            preds_key="logits_argmax", target_key="labels", val_prefix=f"{prefix}/",
-            test_prefix=f"{prefix.replace('val', 'test')}/", gather_every=mode,
+            {
+                "acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro"),
+                "sizes": UpdateSizes(),
+            },
+            preds_key="logits_argmax",
+            target_key="labels",
+            val_prefix=f"{prefix}/",
+            test_prefix=f"{prefix.replace('val', 'test')}/",
+            gather_every=mode,
         )
-        for prefix, mode in MODES.items() if prefix != "val"
+        for prefix, mode in MODES.items()
+        if prefix != "val"
     ]
     module = EvalModule(callback)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, callbacks=[callback, *others], max_epochs=1,
-        limit_train_batches=2, num_sanity_val_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        callbacks=[callback, *others],
+        max_epochs=1,
+        limit_train_batches=2,
+        num_sanity_val_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     val_loaders = [loader(*spec) for spec in VAL.values()]
     logged = {}
@@ -241,8 +272,13 @@ def main() -> None:
     hints = [str(w.message) for w in caught if "sync_dist=True" in str(w.message)]
     torch.save(
         {
-            "logged": logged, "record": dict(module.record), "results": callback.results, "world": trainer.world_size,
-            "sync_dist_hints": hints, "wrong_keys": wrong_keys_errors(world), "ragged": ragged_errors(world),
+            "logged": logged,
+            "record": dict(module.record),
+            "results": callback.results,
+            "world": trainer.world_size,
+            "sync_dist_hints": hints,
+            "wrong_keys": wrong_keys_errors(world),
+            "ragged": ragged_errors(world),
         },
         out_dir / f"rank{trainer.global_rank}.pt",
     )

@@ -20,8 +20,9 @@ from torch.utils.data import DataLoader, TensorDataset
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests" / "core" / "scripts"))
 sys.path.insert(0, str(REPO / "examples"))
-import lightspeed  # noqa: E402,F401
 from checkpoint_models import VOCAB, TinyLM  # noqa: E402
+
+import lightspeed  # noqa: E402,F401
 from lightspeed.callbacks import ZeroExport  # noqa: E402
 
 # case -> (strategy name, model kind, ZeroExport keyword arguments)
@@ -57,9 +58,7 @@ class LitLM(L.LightningModule):
         (tokens,) = batch
         logits = self.net(tokens)
         vocab = self.vocab()
-        return torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1)
-        )
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
 
     def configure_optimizers(self):
         if self.kind == "tiny_gpt":
@@ -100,8 +99,14 @@ def run(case: str, out: Path) -> None:
     model = LitLM(kind)
     export = ZeroExport(root / "export", **export_kwargs)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
         callbacks=[export, ModelCheckpoint(root / "ckpts", save_last=True)],
     )
     trainer.fit(model, loader(kind))
@@ -147,14 +152,26 @@ def failure_outcomes(trainer: L.Trainer, export: ZeroExport, model: LitLM, kind:
     finally:
         safetensors_writer.write_file = original
     second = L.Trainer(
-        strategy=CASES[FAILURE_CASE][0], accelerator="cpu", devices=2,
-        max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, callbacks=[export],
+        strategy=CASES[FAILURE_CASE][0],
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[export],
     )
     second_fit = _outcome(lambda: second.fit(LitLM(kind), loader(kind)))
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, {"failed_write": failed_write, "second_fit": second_fit,
-                                      "broken_export_exists": (root / "broken_export").exists()})
+    dist.all_gather_object(
+        outcomes,
+        {
+            "failed_write": failed_write,
+            "second_fit": second_fit,
+            "broken_export_exists": (root / "broken_export").exists(),
+        },
+    )
     return outcomes
 
 

@@ -17,14 +17,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "strategies" / "scripts"))
 
-from accumulation_cases import item_loss, make_data, make_model, rank_batches  # noqa: E402
+from accumulation_cases import AccumulationWindows, item_loss, make_data, make_model, rank_batches  # noqa: E402
 
-from lightspeed.core.accumulation import (  # noqa: E402
-    AccumulationWindows,
-    ExactAccumulator,
-    distributed_sum,
-    skip_gradient_sync,
-)
+from lightspeed.core.accumulation import ExactAccumulator, distributed_sum, skip_gradient_sync  # noqa: E402
 
 ACCUMULATE, BATCH, LR, EPOCHS = 4, 2, 0.1, 2
 

@@ -19,10 +19,20 @@ SCRIPT = Path(__file__).resolve().parent / "checkpoint_make_zero.py"
 # without); stages 1/2 accept "nvme" but keep their optimizer on the CPU; only stage 3 swaps to NVMe, and only
 # sub-groups of >= 1 MB per rank, hence the big layer in s3_nvme_fp32_big
 MATRIX = [
-    "s0_none_fp32", "s0_cpu_fp32", "s0_nvme_fp32", "s0_none_bf16",
-    "s1_none_fp32", "s1_cpu_fp32", "s1_nvme_fp32",
-    "s2_none_fp32", "s2_cpu_fp32", "s2_nvme_fp32",
-    "s3_none_fp32", "s3_cpu_fp32", "s3_nvme_fp32_big", "s3_cpu_bf16",
+    "s0_none_fp32",
+    "s0_cpu_fp32",
+    "s0_nvme_fp32",
+    "s0_none_bf16",
+    "s1_none_fp32",
+    "s1_cpu_fp32",
+    "s1_nvme_fp32",
+    "s2_none_fp32",
+    "s2_cpu_fp32",
+    "s2_nvme_fp32",
+    "s3_none_fp32",
+    "s3_cpu_fp32",
+    "s3_nvme_fp32_big",
+    "s3_cpu_bf16",
 ]
 LIGHTNING = ["lit_s3_cpu_fp32", "litwrap_s2_none_fp32"]
 HF = "hf_s3_none_fp32"

@@ -147,7 +147,11 @@ def run(config: str, out: Path, rank: int) -> None:
     ckpt_dir, tag = target, f"step{steps}"
     if config.startswith(("lit_", "litwrap_")):
         ckpt_dir, tag = target / "epoch=0-step=2.ckpt", "checkpoint"
-        client_state = {"epoch": 0, "global_step": steps, "hyper_parameters": {"lr": 0.01, "obj": UserHyperparameter(3)}}
+        client_state = {
+            "epoch": 0,
+            "global_step": steps,
+            "hyper_parameters": {"lr": 0.01, "obj": UserHyperparameter(3)},
+        }
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
     fp32, module_weights = gathered(engine, stage)
     if rank == 0:

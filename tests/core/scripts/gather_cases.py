@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gather_data import NUM_CLASSES, LengthIterable, MapData, ShardedIterable, model  # noqa: E402
 
 from lightspeed import gather_for_metrics, gather_object, pad_across_processes  # noqa: E402
-from lightspeed.core.gather import track  # noqa: E402
-from lightspeed.core.gather_state import GatherState, current_state, set_current_state  # noqa: E402
-from lightspeed.core.gather_window import BatchWindow  # noqa: E402
+from lightspeed.core.gather import GatherState, current_state, track  # noqa: E402
+from lightspeed.core.gather.accounting import set_current_state  # noqa: E402
+from lightspeed.core.gather.window import BatchWindow  # noqa: E402
 
 # name -> (kind, n, batch_size, options)
 CASES = {
@@ -46,10 +46,16 @@ def make_loader(kind: str, n: int, batch_size: int, rank: int, world: int, optio
     if kind == "map":
         dataset = MapData(n)
         sampler = DistributedSampler(
-            dataset, num_replicas=world, rank=rank, shuffle=options.get("shuffle", False), seed=7,
+            dataset,
+            num_replicas=world,
+            rank=rank,
+            shuffle=options.get("shuffle", False),
+            seed=7,
             drop_last=options.get("sampler_drop_last", False),
         )
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=options.get("loader_drop_last", False))
+        return DataLoader(
+            dataset, batch_size=batch_size, sampler=sampler, drop_last=options.get("loader_drop_last", False)
+        )
     if kind == "iterable_len":
         return DataLoader(LengthIterable(n, rank, world), batch_size=batch_size)
     return DataLoader(ShardedIterable(n, rank, world, padded=False), batch_size=batch_size)
@@ -131,13 +137,19 @@ def extras(rank: int, world: int) -> dict:
     state = GatherState.shards(world_size=world, rank=rank)
     state.begin_batch(rank + 1)
     out["nested"] = gather_for_metrics(
-        {"t": (torch.full((rank + 1,), rank), torch.arange(rank + 1).float()), "who": f"rank{rank}", "flag": torch.tensor(rank > 0)},
+        {
+            "t": (torch.full((rank + 1,), rank), torch.arange(rank + 1).float()),
+            "who": f"rank{rank}",
+            "flag": torch.tensor(rank > 0),
+        },
         state=state,
     )
     # more leaves than the header carries inline, and more data than rides in the header's collective
     state = GatherState.shards(world_size=world, rank=rank)
     state.begin_batch(2)
-    out["many_leaves"] = gather_for_metrics({f"k{i}": torch.full((2, 1), 100 * rank + i) for i in range(30)}, state=state)
+    out["many_leaves"] = gather_for_metrics(
+        {f"k{i}": torch.full((2, 1), 100 * rank + i) for i in range(30)}, state=state
+    )
     state = GatherState.shards(world_size=world, rank=rank)
     state.begin_batch(rank + 1)
     out["large"] = gather_for_metrics(torch.full((rank + 1, 70_000), float(rank)), state=state)
@@ -145,7 +157,9 @@ def extras(rank: int, world: int) -> dict:
     state = GatherState.shards(world_size=world, rank=rank)
     state.begin_batch(2)
     wide = [torch.tensor([0, 200]), torch.tensor([-5, 100]), torch.tensor([2**40, -(2**33)])][rank % 3]
-    out["wire"] = gather_for_metrics({"int64": wide, "int32": wide.clamp(-(2**31), 2**31 - 1).to(torch.int32)}, state=state)
+    out["wire"] = gather_for_metrics(
+        {"int64": wide, "int32": wide.clamp(-(2**31), 2**31 - 1).to(torch.int32)}, state=state
+    )
     # no state at all: falls back to a plain gather and warns once
     set_current_state(None)
     with warnings.catch_warnings(record=True) as caught:

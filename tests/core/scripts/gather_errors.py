@@ -22,9 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gather_data import LengthIterable, MapData, ShardedIterable  # noqa: E402
 
 from lightspeed import gather_for_metrics, pad_across_processes  # noqa: E402
-from lightspeed.core.gather import fail_gather, track  # noqa: E402
-from lightspeed.core.gather_state import GatherState  # noqa: E402
-from lightspeed.core.gather_sync import GatherError  # noqa: E402
+from lightspeed.core.gather import GatherError, GatherState, fail_gather, track  # noqa: E402
 
 
 class NoPredictions(GatherError):
@@ -52,7 +50,9 @@ def run_errors(out_dir: Path) -> None:
 
     state = one_batch_state(rank, world)
     dtype = torch.float16 if rank == 1 else torch.float32
-    results["dtype"] = catch(lambda: gather_for_metrics({"preds": torch.zeros(3, dtype=dtype), "target": torch.zeros(3)}, state=state))
+    results["dtype"] = catch(
+        lambda: gather_for_metrics({"preds": torch.zeros(3, dtype=dtype), "target": torch.zeros(3)}, state=state)
+    )
 
     data = {"preds": torch.zeros(3)} if rank == 2 else {"preds": torch.zeros(3), "target": torch.zeros(3)}
     results["structure"] = catch(lambda: gather_for_metrics(data, state=state))
@@ -65,9 +65,13 @@ def run_errors(out_dir: Path) -> None:
 
     # rank 1 names a first sample past what it has produced (3 samples so far)
     first = 2 if rank == 1 else 0
-    results["first_sample_out_of_range"] = catch(lambda: gather_for_metrics(torch.zeros(3), state=state, first_sample=first))
+    results["first_sample_out_of_range"] = catch(
+        lambda: gather_for_metrics(torch.zeros(3), state=state, first_sample=first)
+    )
 
-    results["pad_ndim"] = catch(lambda: pad_across_processes(torch.zeros(2, 2) if rank == 2 else torch.zeros(2, 2, 2), dim=1))
+    results["pad_ndim"] = catch(
+        lambda: pad_across_processes(torch.zeros(2, 2) if rank == 2 else torch.zeros(2, 2, 2), dim=1)
+    )
     results["pad_dim_out_of_range"] = catch(lambda: pad_across_processes(torch.zeros(2, 2), dim=2 if rank == 0 else 1))
 
     # an IterableDataset without __len__ whose shards yield 2, 1, 1 batches: ranks 1 and 2 finish while rank 0
@@ -75,6 +79,7 @@ def run_errors(out_dir: Path) -> None:
     def uneven() -> None:
         for x, _, _ in track(DataLoader(ShardedIterable(7, rank, world, padded=False), batch_size=2)):
             gather_for_metrics(x)
+
     results["uneven_batches"] = catch(uneven)
 
     # the same with a pad_across_processes before each gather: rank 0 pads its second batch while the others
@@ -82,6 +87,7 @@ def run_errors(out_dir: Path) -> None:
     def uneven_pad() -> None:
         for x, _, _ in track(DataLoader(ShardedIterable(7, rank, world, padded=False), batch_size=2)):
             gather_for_metrics(pad_across_processes(x, dim=1))
+
     results["uneven_pad"] = catch(uneven_pad)
 
     # one rank cannot make its gather (e.g. a step returned no predictions) while the others gather
@@ -90,19 +96,24 @@ def run_errors(out_dir: Path) -> None:
         if rank == 2:
             fail_gather(NoPredictions("validation_step returned None; return the predictions."), state)
         gather_for_metrics(torch.zeros(3), state=state)
+
     results["fail_gather"] = catch(one_fails)
-    results["fail_gather_everywhere"] = catch(lambda: fail_gather(NoPredictions("no predictions."), one_batch_state(rank, world)))
+    results["fail_gather_everywhere"] = catch(
+        lambda: fail_gather(NoPredictions("no predictions."), one_batch_state(rank, world))
+    )
 
     # __len__ returning the per-rank count instead of the total over all ranks
     def per_rank_len() -> None:
         for x, _, _ in track(DataLoader(LengthIterable(12, rank, world, length=4), batch_size=2)):
             gather_for_metrics(x)
+
     results["per_rank_len"] = catch(per_rank_len)
 
     # __len__ that differs across ranks
     def differing_len() -> None:
         for x, _, _ in track(DataLoader(LengthIterable(12, rank, world, length=12 + rank), batch_size=2)):
             gather_for_metrics(x)
+
     results["differing_len"] = catch(differing_len)
 
     # a map-style loader is fine and the group still works after all those errors

@@ -16,7 +16,7 @@ from _support.launch import run_torchrun
 SCRIPTS = Path(__file__).resolve().parent
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def launch(world: int) -> Path:
     """Run gather_cases.py on ``world`` gloo ranks (once) and return its output directory."""
     out = Path(tempfile.mkdtemp(prefix=f"lightspeed_gather_w{world}_"))

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch import nn
-
 from checkpoint_models import VOCAB, TinyLM, batch
+from torch import nn
 
 
 class StepNote(nn.Module):
@@ -52,8 +51,14 @@ def train_and_save(root: Path, steps: int = 4) -> tuple[Path, dict[str, torch.Te
     module = TinyLightningLM()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.stack([batch(s) for s in range(steps)])))
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root),
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
     )
     trainer.fit(module, data)
     path = root / "model.ckpt"

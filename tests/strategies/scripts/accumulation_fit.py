@@ -20,16 +20,30 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Te
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning.pytorch as pl  # noqa: E402
-
-import lightspeed  # noqa: E402,F401  (registers ddp_exact)
 from accumulation_cases import item_loss, make_data, make_model, rank_batches  # noqa: E402
 
+import lightspeed  # noqa: E402,F401  (registers ddp_exact)
 
 REAL_ALL_REDUCE = dist.all_reduce  # the DDP gradient hook uses it directly; its calls are counted by the hook
-COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
-               "all_gather_into_tensor", "broadcast")
-DS_COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter_fn", "reduce_scatter_tensor", "all_gather_into_tensor",
-                  "allgather_fn", "all_to_all_single", "broadcast")
+COLLECTIVES = (
+    "all_reduce",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+)
+DS_COLLECTIVES = (
+    "all_reduce",
+    "reduce",
+    "reduce_scatter_fn",
+    "reduce_scatter_tensor",
+    "all_gather_into_tensor",
+    "allgather_fn",
+    "all_to_all_single",
+    "broadcast",
+)
 
 
 class ShardedIterable(IterableDataset):
@@ -100,6 +114,7 @@ class CaseModule(pl.LightningModule):
         self.grad_allreduces = 0
         ddp = self.trainer.strategy.model
         if isinstance(ddp, DistributedDataParallel):
+
             def counting_hook(state, bucket):
                 self.grad_allreduces += 1
                 tensor = bucket.buffer().div_(dist.get_world_size())
@@ -125,11 +140,19 @@ def run_case(case: dict, out_dir: Path) -> None:
 
         strategy = DDPExactStrategy(sync_with_dataloader=case["sync_with_dataloader"])
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_epochs=case["epochs"],
-        accumulate_grad_batches=case["accumulate"], gradient_clip_val=case.get("clip"),
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_epochs=case["epochs"],
+        accumulate_grad_batches=case["accumulate"],
+        gradient_clip_val=case.get("clip"),
         precision=case.get("precision", "32-true"),
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
     )
     module = CaseModule(case)
     item_allreduces = 0
@@ -143,6 +166,7 @@ def run_case(case: dict, out_dir: Path) -> None:
                 tensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
                 module.collectives[-1].append(f"{name}:{str(tensor.dtype).replace('torch.', '')}:{tensor.numel()}")
             return real[name](*args, **kwargs)
+
         return collective
 
     for name in COLLECTIVES:

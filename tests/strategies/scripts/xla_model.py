@@ -120,7 +120,7 @@ def reference_exact_training(epochs: int, seed: int = 0) -> tuple[dict[str, torc
             window = batches[start : start + ACCUMULATE]
             opt.zero_grad()
             outs = [net(x) for x, _ in window]
-            for out, (_, y) in zip(outs, window):
+            for out, (_, y) in zip(outs, window, strict=False):
                 losses.append(float(nn.functional.mse_loss(out.detach(), y)))
             big = nn.functional.mse_loss(torch.cat(outs), torch.cat([y for _, y in window]))
             big.backward()

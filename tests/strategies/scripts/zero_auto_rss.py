@@ -58,8 +58,14 @@ def _fit(stage: int, config: dict, model: L.LightningModule, width: int, batch: 
 
     data = TensorDataset(torch.randn(batch * 2 * steps, width), torch.randn(batch * 2 * steps, width))
     trainer = L.Trainer(
-        strategy=ZeroStrategy(stage=stage, config=config), accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        strategy=ZeroStrategy(stage=stage, config=config),
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(data, batch_size=batch))
     return trainer

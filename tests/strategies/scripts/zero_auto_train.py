@@ -55,8 +55,14 @@ def main() -> None:
         model = build(case["model"])
         strategy = ZeroAutoStrategy(**case["kwargs"])
         trainer = L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            strategy=strategy,
+            accelerator="cpu",
+            devices=2,
+            max_steps=args.steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         meta: dict = {"name": case["name"]}
         try:
@@ -65,7 +71,9 @@ def main() -> None:
             meta["error"] = str(error)
         else:
             weights = full_state_dict(trainer.strategy.deepspeed_engine.module)
-            inner = getattr(trainer.strategy.deepspeed_engine.optimizer, "optimizer", trainer.strategy.deepspeed_engine.optimizer)
+            inner = getattr(
+                trainer.strategy.deepspeed_engine.optimizer, "optimizer", trainer.strategy.deepspeed_engine.optimizer
+            )
             meta.update(
                 chosen=strategy.chosen_option.name,
                 config=strategy.resolved_config,
@@ -73,7 +81,10 @@ def main() -> None:
                 global_step=trainer.global_step,
                 world_size=trainer.world_size,
                 plan_cluster=[strategy.memory_plan.cluster.devices_per_node, strategy.memory_plan.cluster.nodes],
-                plan_counts=[strategy.memory_plan.counts.total_params, strategy.memory_plan.counts.largest_layer_params],
+                plan_counts=[
+                    strategy.memory_plan.counts.total_params,
+                    strategy.memory_plan.counts.largest_layer_params,
+                ],
                 plan_budgets=[strategy.memory_plan.budgets.device_memory, strategy.memory_plan.budgets.host_memory],
                 logged=[m for m in capture.messages if "zero_auto" in m],
             )

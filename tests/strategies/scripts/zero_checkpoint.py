@@ -31,8 +31,14 @@ def loader(shuffle: bool = False) -> DataLoader:
 
 def trainer(name: str, root: Path, **kwargs) -> L.Trainer:
     return L.Trainer(
-        strategy=name, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root, **kwargs,
+        strategy=name,
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        **kwargs,
     )
 
 
@@ -61,14 +67,23 @@ def resume(out: Path, name: str) -> None:
     predictions = second.predict(model, loader())
     same_engine_predict = second.strategy.deepspeed_engine is engine
     if second.is_global_zero:
-        torch.save({"full": full_weights, "resumed": resumed_weights,
-                    "predictions": torch.cat(predictions)}, out / "weights.pt")
-        (out / "facts.json").write_text(json.dumps({
-            "full_step": full.global_step, "resumed_step": second.global_step,
-            "val_loss": val["val_loss"], "test_loss": test["test_loss"],
-            "same_engine_validate": same_engine_validate, "same_engine_predict": same_engine_predict,
-            "checkpoints": sorted(p.name for p in ckpt_dir.iterdir()),
-        }))
+        torch.save(
+            {"full": full_weights, "resumed": resumed_weights, "predictions": torch.cat(predictions)},
+            out / "weights.pt",
+        )
+        (out / "facts.json").write_text(
+            json.dumps(
+                {
+                    "full_step": full.global_step,
+                    "resumed_step": second.global_step,
+                    "val_loss": val["val_loss"],
+                    "test_loss": test["test_loss"],
+                    "same_engine_validate": same_engine_validate,
+                    "same_engine_predict": same_engine_predict,
+                    "checkpoints": sorted(p.name for p in ckpt_dir.iterdir()),
+                }
+            )
+        )
 
 
 def crash(out: Path, name: str) -> None:

@@ -15,8 +15,16 @@ from lightspeed.strategies import ZeroStrategy
 
 
 def attempt(strategy, module, **trainer_kwargs) -> str:
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, **trainer_kwargs)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        **trainer_kwargs,
+    )
     try:
         trainer.fit(module, DataLoader(make_regression_data(), batch_size=4))
     except Exception as err:  # noqa: BLE001 - the message is what the test checks
@@ -31,7 +39,9 @@ def main() -> None:
         "sgd_offload": attempt("zero2_offload", RegressionModule(optimizer="sgd")),
         "mismatch": attempt(
             ZeroStrategy(stage=2, config={"gradient_accumulation_steps": 8, "gradient_clipping": 0.5}),
-            RegressionModule(), accumulate_grad_batches=4, gradient_clip_val=1.0,
+            RegressionModule(),
+            accumulate_grad_batches=4,
+            gradient_clip_val=1.0,
         ),
     }
     out.write_text(json.dumps(results))

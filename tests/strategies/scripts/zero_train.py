@@ -36,8 +36,15 @@ def main() -> None:
         L.seed_everything(0, verbose=False)
         model = RegressionModule()
         trainer = L.Trainer(
-            strategy=name, accelerator=args.accelerator, devices=args.devices, precision=precision or args.precision, max_steps=args.steps, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            strategy=name,
+            accelerator=args.accelerator,
+            devices=args.devices,
+            precision=precision or args.precision,
+            max_steps=args.steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(model, DataLoader(make_regression_data(), batch_size=args.batch))
         module = trainer.strategy.deepspeed_engine.module
@@ -47,14 +54,19 @@ def main() -> None:
         inner = getattr(optimizer, "optimizer", optimizer)
         if trainer.is_global_zero:
             torch.save(weights, args.out / f"{run_name}.pt")
-            (args.out / f"{run_name}.json").write_text(json.dumps({
-                "param_dtypes": dtypes,
-                "cuda_initialized": torch.cuda.is_initialized(),
-                "world_size": trainer.world_size,
-                "global_step": trainer.global_step,
-                "optimizer": type(inner).__name__,
-                "config": trainer.strategy.resolved_config,
-            }, default=str))
+            (args.out / f"{run_name}.json").write_text(
+                json.dumps(
+                    {
+                        "param_dtypes": dtypes,
+                        "cuda_initialized": torch.cuda.is_initialized(),
+                        "world_size": trainer.world_size,
+                        "global_step": trainer.global_step,
+                        "optimizer": type(inner).__name__,
+                        "config": trainer.strategy.resolved_config,
+                    },
+                    default=str,
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ command-line tool turns them into exit code 2 with no traceback.
 
 from __future__ import annotations
 
+__all__ = ["CheckpointError", "ExportError"]
+
 
 class CheckpointError(ValueError):
     """The checkpoint given is not a readable DeepSpeed ZeRO checkpoint (missing, truncated or mixed files)."""

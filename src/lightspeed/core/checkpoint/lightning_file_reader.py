@@ -26,6 +26,8 @@ from lightspeed.core.checkpoint.errors import CheckpointError
 from lightspeed.core.checkpoint.torch_zip import FileRegion, load_lazy
 from lightspeed.core.checkpoint.zero_reader import TensorSource
 
+__all__ = ["LightningFileCheckpoint", "read_lightning_file"]
+
 _INFO_KEYS = {"pytorch-lightning_version": "lightning_version", "epoch": "epoch", "global_step": "global_step"}
 _DEEPSPEED_KEYS = ("module", "optimizer_state_dict", "ds_version", "ds_config")
 

@@ -9,29 +9,29 @@ engine would save at this moment.
 
 from __future__ import annotations
 
+import functools
 import os
-from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightspeed.core.checkpoint.errors import ExportError
 from lightspeed.core.checkpoint.exporter import ExportResult
+from lightspeed.core.checkpoint.options import ExportOptions
 from lightspeed.core.checkpoint.plan import (
     OutputTensor,
     output_dtype,
-    resolve_dtype,
     safetensors_metadata,
     select_keys,
     wrapper_unwrapper,
 )
-from lightspeed.core.checkpoint.safetensors_writer import drain, parse_shard_size, write_shards
-from lightspeed.core.checkpoint.staging import check_output_dir, staged_output
+from lightspeed.core.checkpoint.safetensors_writer import drain, write_shards
+from lightspeed.core.checkpoint.staging import check_output_dir_on_every_rank, staged_output
+from lightspeed.core.distributed import global_rank, is_distributed, raise_on_every_rank
 
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+__all__ = ["export_engine"]
 
 
 def _has_fp32_master(engine: Any) -> bool:
@@ -39,7 +39,7 @@ def _has_fp32_master(engine: Any) -> bool:
     return stage > 0 or bool(getattr(engine, "bfloat16_enabled", lambda: False)())
 
 
-def _gathered(param: torch.nn.Parameter) -> torch.Tensor:
+def _gathered(param: torch.Tensor) -> torch.Tensor:
     if hasattr(param, "ds_id"):  # ZeRO-3 partitioned parameter
         import deepspeed
 
@@ -48,7 +48,11 @@ def _gathered(param: torch.nn.Parameter) -> torch.Tensor:
     return param.detach().to("cpu")
 
 
-def _master(param: torch.nn.Parameter) -> torch.Tensor:
+def _on_cpu(buffer: torch.Tensor) -> torch.Tensor:
+    return buffer.detach().to("cpu")
+
+
+def _master(param: torch.Tensor) -> torch.Tensor:
     from deepspeed.utils import safe_get_full_fp32_param
 
     full = safe_get_full_fp32_param(param)
@@ -57,44 +61,37 @@ def _master(param: torch.nn.Parameter) -> torch.Tensor:
     return full.detach().to("cpu").view(getattr(param, "ds_shape", param.shape))
 
 
-def _from_rank_zero(problem: str | None) -> str | None:
-    """Rank 0's ``problem`` on every rank (a collective: every rank must call it)."""
-    if _distributed():
-        box = [problem]
-        dist.broadcast_object_list(box, src=0)
-        problem = box[0]
-    return problem
-
-
-def _agree(problem: str | None) -> None:
-    """Raise the same ExportError on every rank when rank 0 found a problem (so no rank waits in a collective)."""
-    problem = _from_rank_zero(problem)
-    if problem:
-        raise ExportError(problem)
+def _agree_on_write(failure: BaseException | None, output_dir: str | os.PathLike) -> None:
+    """Every rank raises when rank 0 could not write the export (a collective: every rank must call it, rank 0
+    with its failure, the others with None): rank 0 raises its own error, the others an ExportError naming it."""
+    report = None
+    if failure is not None:
+        report = ExportError(f"rank 0 could not write the export to {output_dir} ({type(failure).__name__}: {failure})")
+    try:
+        raise_on_every_rank(report, "writing the export", error_type=ExportError)
+    except ExportError as error:
+        if error is not report:  # another rank: rank 0's report
+            raise
+    if failure is not None:  # rank 0: the writer's own error, outside the handler so its context stays its own
+        raise failure
 
 
 def export_engine(
     engine: Any,
     output_dir: str | os.PathLike,
+    options: ExportOptions | None = None,
     *,
-    dtype: str | torch.dtype = "fp32",
-    max_shard_size: int | str | None = "5GB",
-    exclude_frozen: bool = False,
-    strip_prefix: str | None = None,
-    overwrite: bool = False,
     source: dict | None = None,
 ) -> ExportResult | None:
-    """Export the weights of the DeepSpeed ``engine`` (call on every rank). Rank 0 writes and gets the result."""
-    requested = resolve_dtype(dtype)
-    max_bytes = parse_shard_size(max_shard_size)
-    rank = dist.get_rank() if _distributed() else 0
-    problem = None
-    if rank == 0:
-        try:
-            check_output_dir(output_dir, overwrite)
-        except ExportError as error:
-            problem = str(error)
-    _agree(problem)
+    """Export the weights of the DeepSpeed ``engine`` (call on every rank). Rank 0 writes and gets the result.
+
+    ``options`` default to ``ExportOptions()``; ``options.tag`` is not read (a running engine has no tag).
+    ``source`` adds entries to the export's metadata (step, epoch, ...).
+    """
+    if options is None:
+        options = ExportOptions()
+    rank = global_rank()
+    check_output_dir_on_every_rank(output_dir, options.overwrite)
 
     module = engine.module
     master = _has_fp32_master(engine)
@@ -126,7 +123,7 @@ def export_engine(
     tensors_by_name = {unwrap(k): v for k, v in tensors_by_name.items()}
     skipped = [unwrap(k) for k in skipped]
     stored, exported_aliases = select_keys(
-        keys, kinds, aliases, exclude_frozen=exclude_frozen, strip_prefix=strip_prefix
+        keys, kinds, aliases, exclude_frozen=options.exclude_frozen, strip_prefix=options.strip_prefix
     )
 
     def spec(name: str, owner: str) -> OutputTensor:
@@ -136,24 +133,28 @@ def export_engine(
         produce: Callable[[], torch.Tensor]
         if kind == "param" and master:
             stored_dtype = torch.float32
-            produce = lambda p=value: _master(p)  # noqa: E731
+            produce = functools.partial(_master, value)
         elif kind in ("param", "frozen"):
             stored_dtype = value.dtype
-            produce = lambda p=value: _gathered(p)  # noqa: E731
+            produce = functools.partial(_gathered, value)
         else:
             stored_dtype = value.dtype
-            produce = lambda b=value: b.detach().to("cpu")  # noqa: E731
-        return OutputTensor(name, shape, output_dtype(stored_dtype, requested), produce, kind)
+            produce = functools.partial(_on_cpu, value)
+        return OutputTensor(name, shape, output_dtype(stored_dtype, options.torch_dtype), produce, kind)
 
     tensors = [spec(name, owner) for name, owner in stored]
-    info = {"source": "live_engine", "zero_stage": engine.zero_optimization_stage(),
-            "world_size": dist.get_world_size() if _distributed() else 1, **(source or {})}
-    metadata = safetensors_metadata(exported_aliases, requested, info)
+    info = {
+        "source": "live_engine",
+        "zero_stage": engine.zero_optimization_stage(),
+        "world_size": dist.get_world_size() if is_distributed() else 1,
+        **(source or {}),
+    }
+    metadata = safetensors_metadata(exported_aliases, options.torch_dtype, info)
     if rank != 0:
         drain(tensors)
-        if _distributed():
+        if is_distributed():
             dist.barrier()
-        _agree(None)  # rank 0's outcome: raise too when it failed, instead of running on into the next collective
+        _agree_on_write(None, output_dir)  # raise too when rank 0 failed, instead of running into the next collective
         return None
     produced = 0
 
@@ -169,17 +170,13 @@ def export_engine(
         tensor.produce = counted(tensor.produce)
     failure: BaseException | None = None
     try:
-        with staged_output(output_dir, overwrite) as staging:
-            files = write_shards(staging, tensors, max_bytes, metadata)
+        with staged_output(output_dir, options.overwrite) as staging:
+            files = write_shards(staging, tensors, options.max_shard_bytes, metadata)
     except BaseException as error:
         # the other ranks are waiting in the collectives of the remaining tensors: take part, then fail everywhere
         failure = error
         drain(tensors[produced:])
-    if _distributed():
+    if is_distributed():
         dist.barrier()
-    _from_rank_zero(None if failure is None else f"rank 0 could not write the export to {output_dir} ({type(failure).__name__}: {failure})")
-    if failure is not None:
-        raise failure
-    return ExportResult(
-        Path(output_dir), files, len(tensors), sum(t.nbytes for t in tensors), exported_aliases, skipped
-    )
+    _agree_on_write(failure, output_dir)
+    return ExportResult.of(output_dir, files, tensors, exported_aliases, skipped)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -17,6 +17,8 @@ from torch import nn
 from lightspeed.core.checkpoint.errors import ExportError
 from lightspeed.core.checkpoint.plan import TIED_METADATA_KEY
 from lightspeed.core.checkpoint.safetensors_writer import INDEX_FILE, SINGLE_FILE
+
+__all__ = ["LoadResult", "export_files", "load_exported"]
 
 
 class LoadResult(NamedTuple):
@@ -76,12 +78,14 @@ def load_exported(module: nn.Module, path: str | os.PathLike, strict: bool = Tru
         if unexpected:
             parts.append(f"unexpected keys (in the export, not in the module): {unexpected}")
         raise ExportError(
-            f"the export at {path} does not match {type(module).__name__}: " + "; ".join(parts)
+            f"the export at {path} does not match {type(module).__name__}: "
+            + "; ".join(parts)
             + " (pass strict=False to load the common keys only)"
         )
-    handles: dict[Path, object] = {}
+    handles: dict[Path, Any] = {}
     try:
-        def handle_for(key: str):
+
+        def handle_for(key: str) -> Any:
             file = weight_map[aliases.get(key, key)] if key not in weight_map else weight_map[key]
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt").__enter__()
@@ -95,8 +99,10 @@ def load_exported(module: nn.Module, path: str | os.PathLike, strict: bool = Tru
                 if shape != tuple(target.shape):
                     wrong_shapes.append(f"{key}: export {shape}, module {tuple(target.shape)}")
         if wrong_shapes:
-            raise ExportError(f"the export at {path} does not fit {type(module).__name__}: shapes differ for " +
-                              "; ".join(wrong_shapes))
+            raise ExportError(
+                f"the export at {path} does not fit {type(module).__name__}: shapes differ for "
+                + "; ".join(wrong_shapes)
+            )
         with torch.no_grad():
             for key, target in targets.items():
                 if key in available:

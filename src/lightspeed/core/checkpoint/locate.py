@@ -14,6 +14,8 @@ from pathlib import Path
 
 from lightspeed.core.checkpoint.errors import CheckpointError
 
+__all__ = ["CheckpointFiles", "find_tag_dir", "locate"]
+
 _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_FILE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
@@ -63,9 +65,7 @@ def find_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> tuple
     if tag is not None:
         if tag in tags:
             return path / tag, tag
-        raise CheckpointError(
-            f"unknown tag {tag!r} in {path}; available tags: {', '.join(tags) if tags else 'none'}"
-        )
+        raise CheckpointError(f"unknown tag {tag!r} in {path}; available tags: {', '.join(tags) if tags else 'none'}")
     latest = path / "latest"
     if latest.is_file():
         named = latest.read_text().strip()
@@ -114,7 +114,8 @@ def locate(checkpoint: str | os.PathLike, tag: str | None = None) -> CheckpointF
             raise CheckpointError(f"{entry}: pipeline-parallel checkpoints are not supported")
     if len(optim_prefixes) > 1:
         raise CheckpointError(
-            f"{tag_dir} mixes optimizer files of different kinds ({', '.join(sorted(p or 'zero_' for p in optim_prefixes))}); "
+            f"{tag_dir} mixes optimizer files of different kinds "
+            f"({', '.join(sorted(p or 'zero_' for p in optim_prefixes))}); "
             "the directory holds files from different runs"
         )
     return CheckpointFiles(tag_dir, tag, model_files, optim_files)

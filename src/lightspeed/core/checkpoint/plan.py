@@ -4,18 +4,35 @@ how tied weights are recorded. Shared by the checkpoint exporter and the live-en
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from lightspeed._version import __version__
 from lightspeed.core.checkpoint.errors import ExportError
 
+__all__ = [
+    "DTYPES",
+    "EXPORT_METADATA_KEY",
+    "TIED_METADATA_KEY",
+    "WRAPPER_PREFIX",
+    "OutputTensor",
+    "output_dtype",
+    "resolve_dtype",
+    "safetensors_metadata",
+    "select_keys",
+    "wrapper_unwrapper",
+]
+
 DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
 }
 WRAPPER_PREFIX = "_forward_module."  # Lightning < 2.1 wrapped the LightningModule under this attribute
 TIED_METADATA_KEY = "lightspeed_tied"  # JSON {tied name: name of the stored tensor}
@@ -80,16 +97,18 @@ def select_keys(
     exported aliases ``{export alias: export name of the stored tensor}``. With ``strip_prefix`` only keys under the
     prefix are exported, without it (the wrapped sub-model); a tied key whose owner falls outside is written itself.
     """
-    def exported_name(name: str) -> str | None:
-        if not strip_prefix:
-            return name
-        return name[len(strip_prefix):] if name.startswith(strip_prefix) and len(name) > len(strip_prefix) else None
+
+    def under_prefix(name: str) -> bool:
+        return not strip_prefix or (name.startswith(strip_prefix) and len(name) > len(strip_prefix))
+
+    def exported_name(name: str) -> str:  # of a wanted name, which is under the prefix
+        return name[len(strip_prefix) :] if strip_prefix else name
 
     def wanted(name: str) -> bool:
         owner = aliases.get(name, name)
         if exclude_frozen and kinds.get(owner) == "frozen":
             return False
-        return exported_name(name) is not None
+        return under_prefix(name)
 
     stored = [(exported_name(n), n) for n in keys if n not in aliases and wanted(n)]
     exported_aliases: dict[str, str] = {}
@@ -111,8 +130,6 @@ def select_keys(
 
 def safetensors_metadata(aliases: dict[str, str], dtype: torch.dtype, source: dict) -> dict[str, str]:
     """The ``__metadata__`` of every shard: HF's ``format`` plus the tied keys and where the export came from."""
-    from lightspeed import __version__
-
     info = {"dtype": str(dtype).removeprefix("torch."), "lightspeed_version": __version__, **source}
     return {
         "format": "pt",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -20,9 +20,29 @@ from lightspeed.core.checkpoint.errors import ExportError
 from lightspeed.core.checkpoint.plan import OutputTensor
 from lightspeed.core.sizes import parse_size
 
+__all__ = [
+    "INDEX_FILE",
+    "SAFETENSORS_DTYPES",
+    "SINGLE_FILE",
+    "Progress",
+    "drain",
+    "parse_shard_size",
+    "plan_shards",
+    "shard_names",
+    "write_file",
+    "write_shards",
+]
+
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 SINGLE_FILE = "model.safetensors"
@@ -80,10 +100,12 @@ def _tensor_bytes(tensor: torch.Tensor, spec: OutputTensor) -> memoryview:
     if tensor.dtype != spec.dtype:
         tensor = tensor.to(spec.dtype)
     tensor = tensor.contiguous().reshape(-1)
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    return tensor.view(torch.uint8).numpy().data.cast("B")
 
 
-def write_file(path: Path, tensors: list[OutputTensor], metadata: dict[str, str], progress: Callable[[int], None]) -> None:
+def write_file(
+    path: Path, tensors: list[OutputTensor], metadata: dict[str, str], progress: Callable[[int], None]
+) -> None:
     """Write one safetensors file, producing each tensor only when its turn comes."""
     header = _header(tensors, metadata)
     with open(path, "wb") as handle:
@@ -123,12 +145,12 @@ def write_shards(
         if progress is not None:
             progress(done, total)
 
-    for name, shard in zip(files, shards):
+    for name, shard in zip(files, shards, strict=True):
         write_file(directory / name, shard, metadata, advance)
     if len(files) > 1:
         index = {
             "metadata": {"total_size": total, **metadata},
-            "weight_map": {t.name: name for name, shard in zip(files, shards) for t in shard},
+            "weight_map": {t.name: name for name, shard in zip(files, shards, strict=True) for t in shard},
         }
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return files + ([INDEX_FILE] if len(files) > 1 else [])

@@ -12,6 +12,9 @@ from pathlib import Path
 
 from lightspeed.core.atomic_dir import swap_into_place
 from lightspeed.core.checkpoint.errors import ExportError
+from lightspeed.core.distributed import global_rank, raise_on_every_rank
+
+__all__ = ["check_output_dir", "check_output_dir_on_every_rank", "staged_output"]
 
 
 def check_output_dir(output_dir: str | os.PathLike, overwrite: bool) -> Path:
@@ -26,6 +29,18 @@ def check_output_dir(output_dir: str | os.PathLike, overwrite: bool) -> Path:
                 "line) to replace it, or choose another directory"
             )
     return out
+
+
+def check_output_dir_on_every_rank(output_dir: str | os.PathLike, overwrite: bool) -> None:
+    """Rank 0 runs :func:`check_output_dir` (the rank that writes); every rank raises its ExportError, so none is
+    left waiting in the next collective. A collective: every rank must call it."""
+    problem = None
+    if global_rank() == 0:
+        try:
+            check_output_dir(output_dir, overwrite)
+        except ExportError as error:
+            problem = error
+    raise_on_every_rank(problem, "checking the output directory", error_type=ExportError)
 
 
 @contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import collections
 import copyreg
+import io
 import math
 import os
 import pickle
@@ -27,11 +28,26 @@ import torch
 
 from lightspeed.core.checkpoint.errors import CheckpointError
 
+__all__ = ["FileRegion", "OpaqueObject", "RegionReader", "TorchZipFile", "as_int", "load_lazy"]
+
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = b"PK\x03\x04"
 _SAFE_BUILTINS = {
-    "list", "dict", "set", "frozenset", "tuple", "int", "float", "complex", "bool", "str", "bytes", "bytearray",
-    "slice", "range", "object",
+    "list",
+    "dict",
+    "set",
+    "frozenset",
+    "tuple",
+    "int",
+    "float",
+    "complex",
+    "bool",
+    "str",
+    "bytes",
+    "bytearray",
+    "slice",
+    "range",
+    "object",
 }
 
 
@@ -50,7 +66,7 @@ class FileRegion:
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    def slice(self, start: int, count: int) -> "FileRegion":
+    def slice(self, start: int, count: int) -> FileRegion:
         """Elements ``[start, start + count)`` of this region, as a region of its own."""
         if start < 0 or count < 0 or start + count > self.numel:
             raise CheckpointError(
@@ -64,11 +80,14 @@ class OpaqueObject(dict):
     """Stands in for an object whose class is not on the allow-list; keeps constructor args and state."""
 
     qualname = "?"
+    args: tuple[Any, ...]
+    state: Any
+    items_list: list[Any]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "OpaqueObject":
+    def __new__(cls, *args: Any, **kwargs: Any) -> OpaqueObject:
         obj = super().__new__(cls)
         obj.args = args
         obj.state = None
@@ -132,7 +151,7 @@ class _StorageRef:
 
 
 class _LazyUnpickler(pickle.Unpickler):
-    def __init__(self, file: BinaryIO, reader: "TorchZipFile") -> None:
+    def __init__(self, file: BinaryIO, reader: TorchZipFile) -> None:
         super().__init__(file, encoding="utf-8")
         self._reader = reader
 
@@ -166,7 +185,7 @@ class _LazyUnpickler(pickle.Unpickler):
         if module == "builtins" and name in _SAFE_BUILTINS:
             return getattr(builtins, name)
         if module == "copyreg" and name == "_reconstructor":
-            return copyreg._reconstructor
+            return copyreg._reconstructor  # type: ignore[attr-defined]  # exists, not in the stubs
         if module == "_codecs" and name == "encode":
             import codecs
 
@@ -183,7 +202,7 @@ class _LazyUnpickler(pickle.Unpickler):
             contiguous.append(acc)
             acc *= dim
         contiguous.reverse()
-        if any(dim != 1 and int(s) != c for s, c, dim in zip(stride, contiguous, shape)):
+        if any(dim != 1 and int(s) != c for s, c, dim in zip(stride, contiguous, shape, strict=False)):
             raise CheckpointError(
                 f"{self._reader.path}: tensor with shape {shape} and stride {tuple(stride)} is not contiguous; "
                 "lightspeed only reads contiguous tensors (DeepSpeed always saves those)"
@@ -293,7 +312,7 @@ class RegionReader:
     """Reads :class:`FileRegion` bytes into caller-owned tensors, keeping each file open once."""
 
     def __init__(self) -> None:
-        self._files: dict[Path, BinaryIO] = {}
+        self._files: dict[Path, io.FileIO] = {}
 
     def read_into(self, region: FileRegion, out: torch.Tensor) -> None:
         """Fill the 1-D contiguous tensor ``out`` (``region.numel`` elements of ``region.dtype``)."""
@@ -304,7 +323,7 @@ class RegionReader:
         handle = self._files.get(region.path)
         if handle is None:
             handle = self._files[region.path] = open(region.path, "rb", buffering=0)
-        view = memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")
+        view = out.view(-1).view(torch.uint8).numpy().data.cast("B")
         handle.seek(region.offset)
         done = 0
         while done < len(view):
@@ -327,7 +346,7 @@ class RegionReader:
             handle.close()
         self._files.clear()
 
-    def __enter__(self) -> "RegionReader":
+    def __enter__(self) -> RegionReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:

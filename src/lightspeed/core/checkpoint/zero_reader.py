@@ -38,6 +38,8 @@ from lightspeed.core.checkpoint.locate import CheckpointFiles, locate
 from lightspeed.core.checkpoint.plan import wrapper_unwrapper
 from lightspeed.core.checkpoint.torch_zip import FileRegion, RegionReader, as_int, load_lazy
 
+__all__ = ["TensorSource", "ZeroCheckpoint", "assemble", "read_zero_checkpoint"]
+
 
 @dataclass
 class TensorSource:
@@ -77,7 +79,9 @@ def assemble(source: TensorSource, reader: RegionReader) -> torch.Tensor:
         reader.read_into(piece, out[position : position + piece.numel])
         position += piece.numel
     if position != source.numel:
-        raise CheckpointError(f"{source.name}: the checkpoint holds {position} elements, the shape needs {source.numel}")
+        raise CheckpointError(
+            f"{source.name}: the checkpoint holds {position} elements, the shape needs {source.numel}"
+        )
     return out.view(source.shape)
 
 
@@ -156,10 +160,13 @@ class _Reader:
                     f"files from different runs are mixed in {files.tag_dir}"
                 )
         steps = []
-        for rank, state in enumerate(states):
+        for state in states:
             found: set[float] = set()
-            _steps({k: v for k, v in state.items() if k not in ("single_partition_of_fp32_groups", "fp32_flat_groups")},
-                   self.regions, found)
+            _steps(
+                {k: v for k, v in state.items() if k not in ("single_partition_of_fp32_groups", "fp32_flat_groups")},
+                self.regions,
+                found,
+            )
             steps.append(found)
         for rank, found in enumerate(steps):
             if found and steps[0] and found != steps[0]:
@@ -198,7 +205,7 @@ class _Reader:
                 raise CheckpointError(f"{path}: no 'module' state dict; not a DeepSpeed model states file")
             states.append(state)
         first = states[0]
-        for path, state in zip(paths[1:], states[1:]):
+        for path, state in zip(paths[1:], states[1:], strict=True):
             if _shape_lists(state.get("param_shapes")) != _shape_lists(first.get("param_shapes")):
                 raise CheckpointError(
                     f"{path} describes different parameters than {paths[0].name}: files from different runs are "
@@ -248,7 +255,7 @@ class _Reader:
             if len(group_padding) != len(group_shapes):
                 raise CheckpointError(f"{self.files.optim_files[0]}: alignment paddings do not match group {g}")
             offset = 0
-            for (name, shape), pad in zip(group_shapes.items(), group_padding):
+            for (name, shape), pad in zip(group_shapes.items(), group_padding, strict=False):
                 shape = _shape(shape)
                 numel = math.prod(shape)
                 pieces = []
@@ -280,7 +287,7 @@ class _Reader:
             length = sum(partition_sizes)
             flats = [self._stage3_flat(rank, per_rank[rank][g], length) for rank in range(world_size)]
             offset = 0
-            for (name, shape), size in zip(group_shapes.items(), partition_sizes):
+            for (name, shape), size in zip(group_shapes.items(), partition_sizes, strict=False):
                 shape = _shape(shape)
                 sources[name] = TensorSource(
                     name, shape, flats[0].dtype, "param", _split_pieces(flats, offset, size, math.prod(shape))
@@ -303,7 +310,9 @@ class _Reader:
                 )
             swap = folder / f"{ds_id}.tensor.swp"
             if not swap.is_file():
-                raise CheckpointError(f"{swap} is missing: it holds rank {rank}'s fp32 weights of an NVMe-offloaded sub-group")
+                raise CheckpointError(
+                    f"{swap} is missing: it holds rank {rank}'s fp32 weights of an NVMe-offloaded sub-group"
+                )
             itemsize = torch.empty((), dtype=flat.dtype).element_size()
             size = swap.stat().st_size
             if size < length * itemsize:
@@ -434,6 +443,8 @@ def read_zero_checkpoint(checkpoint: str | os.PathLike, tag: str | None = None) 
         aliases = {unwrap(a): unwrap(t) for a, t in aliases.items()}
         skipped = [unwrap(name) for name in skipped]
         ds_version = first.get("ds_version")
-        return ZeroCheckpoint(files, stage, world_size, tensors, aliases, str(ds_version) if ds_version else None, skipped)
+        return ZeroCheckpoint(
+            files, stage, world_size, tensors, aliases, str(ds_version) if ds_version else None, skipped
+        )
     finally:
         reader.regions.close()

@@ -1,25 +1,51 @@
-"""DeepSpeed config handling for our ZeRO strategies: loading, key validation, presets, merging, and resolving
-"auto" values against the Trainer settings. Only torch, DeepSpeed and the standard library: no Lightning."""
+"""DeepSpeed config handling for the ZeRO strategies: the recipe (presets, checks, merging, key validation) and
+resolving ``"auto"`` values against the Trainer's settings. Only torch, DeepSpeed and the standard library: no
+Lightning. Internal: the strategies and the CLI are its users."""
 
+from lightspeed.core.deepspeed_config.choices import AUTO, OFFLOAD_TARGETS, ZERO_STAGES
 from lightspeed.core.deepspeed_config.errors import DeepSpeedConfigError
 from lightspeed.core.deepspeed_config.facts import OptimizerFacts, TrainingFacts
 from lightspeed.core.deepspeed_config.loading import describe_config, load_user_config
 from lightspeed.core.deepspeed_config.merging import merge_configs
 from lightspeed.core.deepspeed_config.model_introspection import find_hidden_size
+from lightspeed.core.deepspeed_config.nvme import NVME_PATH_ENV, resolve_nvme_path
 from lightspeed.core.deepspeed_config.presets import zero_preset
 from lightspeed.core.deepspeed_config.resolution import resolve_config, resolve_config_with_notes
 from lightspeed.core.deepspeed_config.validation import validate_keys
+from lightspeed.core.deepspeed_config.zero_recipe import (
+    ZERO_PRESETS,
+    ZeroPreset,
+    ZeroTuning,
+    build_zero_config,
+    check_zero_section,
+    config_offloads_optimizer,
+    config_stage,
+    config_uses_nvme,
+)
 
 __all__ = [
+    "AUTO",
+    "NVME_PATH_ENV",
+    "OFFLOAD_TARGETS",
+    "ZERO_PRESETS",
+    "ZERO_STAGES",
     "DeepSpeedConfigError",
     "OptimizerFacts",
     "TrainingFacts",
+    "ZeroPreset",
+    "ZeroTuning",
+    "build_zero_config",
+    "check_zero_section",
+    "config_offloads_optimizer",
+    "config_stage",
+    "config_uses_nvme",
     "describe_config",
     "find_hidden_size",
     "load_user_config",
     "merge_configs",
     "resolve_config",
     "resolve_config_with_notes",
+    "resolve_nvme_path",
     "validate_keys",
     "zero_preset",
 ]

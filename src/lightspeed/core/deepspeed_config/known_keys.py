@@ -31,7 +31,7 @@ class Section:
     """
 
     keys: frozenset[str]
-    children: Mapping[str, "Section"] = field(default_factory=dict)
+    children: Mapping[str, Section] = field(default_factory=dict)
     strict: bool = False
     # Keys DeepSpeed used to read and now refuses, with DeepSpeed's own explanation.
     removed: Mapping[str, str] = field(default_factory=dict)
@@ -88,7 +88,7 @@ def _field_names(name: str, info: Any) -> set[str]:
     return names
 
 
-def section_from_model(model: type | None) -> Section:
+def section_from_model(model: Any) -> Section:
     """Field names and aliases of a DeepSpeed pydantic config model, recursing into nested models."""
     if model is None:
         return Section(frozenset())

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightspeed.core.deepspeed_config.choices import AUTO, OFFLOAD_TARGETS, check_zero_stage
 from lightspeed.core.deepspeed_config.errors import DeepSpeedConfigError
-
-AUTO = "auto"
-OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 
 
 def _checked_size(name: str, value: int | float | str) -> int | str:
@@ -48,14 +46,13 @@ def zero_preset(
     them; stage 1 keeps DeepSpeed's defaults there. ``zero_allow_untested_optimizer`` is on so any torch
     optimizer from the LightningModule can be used.
     """
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise DeepSpeedConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    check_zero_stage(stage)
     for name, target in (("offload_optimizer", offload_optimizer), ("offload_parameters", offload_parameters)):
         if target not in OFFLOAD_TARGETS:
             raise DeepSpeedConfigError(f"{name} must be 'none', 'cpu' or 'nvme', got {target!r}.")
     if offload_optimizer != "none" and stage == 0:
         raise DeepSpeedConfigError(
-            f"Optimizer offload needs ZeRO stage 1, 2 or 3, but stage is 0. Use stage>=1 or offload_optimizer='none'."
+            "Optimizer offload needs ZeRO stage 1, 2 or 3, but stage is 0. Use stage>=1 or offload_optimizer='none'."
         )
     if offload_parameters != "none" and stage != 3:
         raise DeepSpeedConfigError(

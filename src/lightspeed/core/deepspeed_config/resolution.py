@@ -13,12 +13,12 @@ import math
 import warnings
 from typing import Any
 
+from lightspeed.core.deepspeed_config.choices import AUTO
 from lightspeed.core.deepspeed_config.errors import DeepSpeedConfigError
 from lightspeed.core.deepspeed_config.facts import BF16_PRECISIONS, FP16_PRECISIONS, TrainingFacts
 from lightspeed.core.deepspeed_config.known_keys import deepspeed_attr
 from lightspeed.core.deepspeed_config.validation import validate_keys
 
-AUTO = "auto"
 _MISSING = object()
 
 # zero_optimization keys derived from the hidden size h, under both the JSON name and the pydantic field name
@@ -86,7 +86,7 @@ class _Resolver:
             else:
                 micro = 1
                 self.notes.append(
-                    "The train dataloader's batch size is unknown, so train_micro_batch_size_per_gpu=\"auto\" "
+                    'The train dataloader\'s batch size is unknown, so train_micro_batch_size_per_gpu="auto" '
                     "was set to 1. Write the real per-device batch size into the DeepSpeed config if it differs."
                 )
             cfg["train_micro_batch_size_per_gpu"] = micro
@@ -110,18 +110,20 @@ class _Resolver:
             self._unresolved(
                 "train_batch_size",
                 'train_batch_size is "auto", but train_micro_batch_size_per_gpu is not a number. Write '
-                "train_micro_batch_size_per_gpu as a number, e.g. 8."
+                "train_micro_batch_size_per_gpu as a number, e.g. 8.",
             )
 
     def clipping(self) -> None:
-        cfg, clip_val = self.config, self.facts.gradient_clip_val
+        cfg, clip_val = self.config, self.facts.gradient_clip_val or 0.0
         requested = bool(clip_val)
         value = cfg.get("gradient_clipping", _MISSING)
         if value == AUTO or (value is _MISSING and requested):
             cfg["gradient_clipping"] = float(clip_val) if requested else 0.0
         elif value is not _MISSING and requested:
-            same = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isclose(
-                float(value), float(clip_val), rel_tol=1e-9, abs_tol=0.0
+            same = (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isclose(float(value), float(clip_val), rel_tol=1e-9, abs_tol=0.0)
             )
             if not same:
                 self.mismatches.append(
@@ -183,7 +185,8 @@ class _Resolver:
                     zero[name] = value
         if dropped:
             self.notes.append(
-                "The model's hidden size is unknown, so DeepSpeed's defaults are used for " + ", ".join(dropped)
+                "The model's hidden size is unknown, so DeepSpeed's defaults are used for "
+                + ", ".join(dropped)
                 + ". Write numbers into the DeepSpeed config to tune them."
             )
 
@@ -198,7 +201,7 @@ class _Resolver:
                 self._unresolved(
                     "optimizer.type",
                     'optimizer.type is "auto", but the LightningModule\'s optimizer is unknown. Write the optimizer '
-                    'name instead, e.g. "type": "AdamW".'
+                    'name instead, e.g. "type": "AdamW".',
                 )
             else:
                 section["type"] = opt.type_name
@@ -210,12 +213,15 @@ class _Resolver:
                 continue
             value = None if opt is None else getattr(opt, name)
             if value is None:
-                why = ("the LightningModule's optimizer is unknown" if opt is None
-                       else f"the LightningModule's optimizer ({opt.type_name}) has no {name}")
+                why = (
+                    "the LightningModule's optimizer is unknown"
+                    if opt is None
+                    else f"the LightningModule's optimizer ({opt.type_name}) has no {name}"
+                )
                 self._unresolved(
                     f"optimizer.params.{name}",
                     f'optimizer.params.{name} is "auto", but {why}. Write the number instead, e.g. '
-                    f'"{name}": {example}.'
+                    f'"{name}": {example}.',
                 )
             else:
                 params[name] = list(value) if isinstance(value, tuple) else value
@@ -233,7 +239,7 @@ class _Resolver:
                 self._unresolved(
                     f"scheduler.params.{name}",
                     f'scheduler.params.{name} is "auto", but the LightningModule\'s optimizer (and so its learning '
-                    f'rate) is unknown. Write the peak learning rate instead, e.g. "{name}": 0.001.'
+                    f'rate) is unknown. Write the peak learning rate instead, e.g. "{name}": 0.001.',
                 )
             else:
                 params[name] = opt.lr
@@ -244,8 +250,8 @@ class _Resolver:
                 self._unresolved(
                     f"scheduler.params.{name}",
                     f'scheduler.params.{name} is "auto", but the number of optimizer steps of the run is unknown '
-                    f'(set Trainer(max_steps=...) or a finite max_epochs). Or write the number instead, e.g. '
-                    f'"{name}": 10000.'
+                    f"(set Trainer(max_steps=...) or a finite max_epochs). Or write the number instead, e.g. "
+                    f'"{name}": 10000.',
                 )
             else:
                 params[name] = self.facts.total_steps
@@ -271,12 +277,12 @@ class _Resolver:
                 self._unresolved(
                     dotted,
                     f'{dotted} is "auto", but lightspeed cannot derive it from the Trainer or the model. '
-                    f"Write the value instead{_default_hint(prefix, key)}, or remove the key."
+                    f"Write the value instead{_default_hint(prefix, key)}, or remove the key.",
                 )
 
 
 def _default_hint(prefix: str, key: str) -> str:
-    """", DeepSpeed's default is X" for keys of DeepSpeed's pydantic sections, else ""."""
+    """ ", DeepSpeed's default is X" for keys of DeepSpeed's pydantic sections, else ""."""
     models = {
         "zero_optimization.": ("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),
         "fp16.": ("deepspeed.runtime.precision_config", "DeepSpeedFP16Config"),
@@ -316,7 +322,7 @@ def resolve_config_with_notes(config: dict, facts: TrainingFacts) -> tuple[dict,
         message = f"The DeepSpeed config does not fit this run ({count}):\n{lines}"
         if resolver.mismatches:
             message += (
-                "\nMake each pair agree: change the value in the DeepSpeed config (or set it to \"auto\" so it "
+                '\nMake each pair agree: change the value in the DeepSpeed config (or set it to "auto" so it '
                 "follows the Trainer), or change the Trainer argument."
             )
         raise DeepSpeedConfigError(message)

@@ -10,11 +10,9 @@ import difflib
 from collections.abc import Iterator
 from typing import Any
 
+from lightspeed.core.deepspeed_config.choices import OFFLOAD_TARGETS, ZERO_STAGES
 from lightspeed.core.deepspeed_config.errors import DeepSpeedConfigError, problems_error
 from lightspeed.core.deepspeed_config.known_keys import Section, deepspeed_attr, top_level_section
-
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _dotted(path: tuple[str, ...]) -> str:
@@ -61,12 +59,16 @@ def _walk(obj: dict, section: Section, path: tuple[str, ...], problems: list[str
     for key, value in obj.items():
         dotted = _dotted(path + (key,))
         if not isinstance(key, str):
-            problems.append(f"DeepSpeed config key {key!r} under '{_dotted(path) or 'the top level'}' is not a "
-                            "string. Use string keys, as in JSON.")
+            problems.append(
+                f"DeepSpeed config key {key!r} under '{_dotted(path) or 'the top level'}' is not a "
+                "string. Use string keys, as in JSON."
+            )
             continue
         if key in section.removed:
-            problems.append(f"DeepSpeed config key '{dotted}' is no longer supported by DeepSpeed: "
-                            f"{section.removed[key].strip()} Remove it.")
+            problems.append(
+                f"DeepSpeed config key '{dotted}' is no longer supported by DeepSpeed: "
+                f"{section.removed[key].strip()} Remove it."
+            )
             continue
         if key not in section.keys:
             problems.append(_unknown_key_problem(key, section, path))
@@ -78,8 +80,10 @@ def _walk(obj: dict, section: Section, path: tuple[str, ...], problems: list[str
             _walk(value, child, path + (key,), problems)
         elif not (path == () and key == "zero_optimization" and isinstance(value, bool)):
             # (a bare boolean zero_optimization is DeepSpeed's deprecated stage 0/1 switch, still accepted)
-            problems.append(f"DeepSpeed config key '{dotted}' must be an object ({{...}} with its own keys), got "
-                            f"{value!r}. Write it as a JSON object, e.g. \"{key}\": {_example_object(child)}.")
+            problems.append(
+                f"DeepSpeed config key '{dotted}' must be an object ({{...}} with its own keys), got "
+                f'{value!r}. Write it as a JSON object, e.g. "{key}": {_example_object(child)}.'
+            )
 
 
 def _example_object(section: Section) -> str:
@@ -101,49 +105,65 @@ def _value_problems(config: dict) -> list[str]:
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         value = config.get(key, "auto")
         if value != "auto" and not (_is_whole(value) and value >= 1):
-            problems.append(f'{key} must be a whole number >= 1 or "auto", got {value!r}. Write e.g. "{key}": 8, '
-                            'or "auto" to take it from the Trainer.')
+            problems.append(
+                f'{key} must be a whole number >= 1 or "auto", got {value!r}. Write e.g. "{key}": 8, '
+                'or "auto" to take it from the Trainer.'
+            )
     clip = config.get("gradient_clipping", "auto")
     if clip != "auto" and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
         problems.append(f'gradient_clipping must be a number >= 0 (0 means no clipping) or "auto", got {clip!r}.')
     if isinstance(config.get("bf16"), dict) and "bfloat16" in config:
-        problems.append("The DeepSpeed config has both 'bf16' and its old name 'bfloat16'; DeepSpeed reads only "
-                        "'bf16' then. Remove 'bfloat16'.")
+        problems.append(
+            "The DeepSpeed config has both 'bf16' and its old name 'bfloat16'; DeepSpeed reads only "
+            "'bf16' then. Remove 'bfloat16'."
+        )
     zero = config.get("zero_optimization")
     stage: Any = 0
     if isinstance(zero, dict):
         stage = zero.get("stage", 0)
         if isinstance(stage, bool) or stage not in ZERO_STAGES:
-            problems.append(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r} (zero_optimization.stage). "
-                            "Set it to one of those numbers.")
+            problems.append(
+                f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r} (zero_optimization.stage). "
+                "Set it to one of those numbers."
+            )
             stage = None
         for name in ("offload_optimizer", "offload_param"):
             offload = zero.get(name)
             if not isinstance(offload, dict):
                 continue
             device = offload.get("device", "none")
-            if device not in OFFLOAD_DEVICES:
-                problems.append(f"zero_optimization.{name}.device must be 'none', 'cpu' or 'nvme', got {device!r}. "
-                                "Set it to one of those.")
+            if device not in OFFLOAD_TARGETS:
+                problems.append(
+                    f"zero_optimization.{name}.device must be 'none', 'cpu' or 'nvme', got {device!r}. "
+                    "Set it to one of those."
+                )
                 continue
             if device == "nvme" and not offload.get("nvme_path"):
-                problems.append(f"zero_optimization.{name}.device is 'nvme' but zero_optimization.{name}.nvme_path "
-                                "is not set. Set nvme_path to a directory on the NVMe drive, e.g. '/local_nvme'.")
+                problems.append(
+                    f"zero_optimization.{name}.device is 'nvme' but zero_optimization.{name}.nvme_path "
+                    "is not set. Set nvme_path to a directory on the NVMe drive, e.g. '/local_nvme'."
+                )
             if device != "none" and name == "offload_param" and stage is not None and stage != 3:
-                problems.append(f"zero_optimization.offload_param only works with ZeRO stage 3, but the stage is "
-                                f"{stage}. Use stage 3, or remove offload_param.")
+                problems.append(
+                    f"zero_optimization.offload_param only works with ZeRO stage 3, but the stage is "
+                    f"{stage}. Use stage 3, or remove offload_param."
+                )
             if device != "none" and name == "offload_optimizer" and stage == 0:
-                problems.append("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3, but the stage is "
-                                "0. Raise the stage, or remove offload_optimizer.")
+                problems.append(
+                    "zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3, but the stage is "
+                    "0. Raise the stage, or remove offload_optimizer."
+                )
     scheduler = config.get("scheduler")
     if isinstance(scheduler, dict) and isinstance(scheduler.get("type"), str) and scheduler["type"] != "auto":
         valid = deepspeed_attr("deepspeed.runtime.lr_schedules", "VALID_LR_SCHEDULES")
         if valid and scheduler["type"] not in valid:
             close = difflib.get_close_matches(scheduler["type"], list(valid), n=1, cutoff=0.6)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            problems.append(f"Unknown DeepSpeed scheduler type '{scheduler['type']}'{hint} in scheduler.type. "
-                            f"DeepSpeed has: {', '.join(valid)}. Use one of them, or configure the scheduler in "
-                            "the LightningModule instead.")
+            problems.append(
+                f"Unknown DeepSpeed scheduler type '{scheduler['type']}'{hint} in scheduler.type. "
+                f"DeepSpeed has: {', '.join(valid)}. Use one of them, or configure the scheduler in "
+                "the LightningModule instead."
+            )
     return problems
 
 
@@ -151,8 +171,10 @@ def validate_keys(config: dict) -> None:
     """Raise one :class:`DeepSpeedConfigError` listing every unknown key (with the closest valid one) and every
     cheaply detectable bad value; return ``None`` when the config is clean."""
     if not isinstance(config, dict):
-        raise DeepSpeedConfigError(f"The DeepSpeed config must be a dict, got a {type(config).__name__}. Load files "
-                                   "with load_user_config first.")
+        raise DeepSpeedConfigError(
+            f"The DeepSpeed config must be a dict, got a {type(config).__name__}. Load files "
+            "with load_user_config first."
+        )
     problems: list[str] = []
     _walk(config, top_level_section(), (), problems)
     problems += _value_problems(config)

@@ -41,7 +41,9 @@ class ModelCounts:
         if self.total_params <= 0:
             raise MemoryPlanError(f"The parameter count must be positive, got {self.total_params}.")
         if self.largest_layer_params <= 0:
-            raise MemoryPlanError(f"The largest layer's parameter count must be positive, got {self.largest_layer_params}.")
+            raise MemoryPlanError(
+                f"The largest layer's parameter count must be positive, got {self.largest_layer_params}."
+            )
         if self.largest_layer_params > self.total_params:
             raise MemoryPlanError(
                 f"The largest layer ({self.largest_layer_params}) cannot have more parameters than the whole model "
@@ -170,7 +172,9 @@ class OptionEstimate:
     nvme_per_node: int
 
 
-def estimate_option(option: ZeroOption, counts: ModelCounts, cluster: Cluster, accounting: Accounting) -> OptionEstimate:
+def estimate_option(
+    option: ZeroOption, counts: ModelCounts, cluster: Cluster, accounting: Accounting
+) -> OptionEstimate:
     """Memory per device, per host and on NVMe for ``option``."""
     total, largest = counts.total_params, counts.largest_layer_params
     pb, ob = accounting.param_bytes, accounting.optimizer_state_bytes
@@ -193,7 +197,7 @@ def estimate_option(option: ZeroOption, counts: ModelCounts, cluster: Cluster, a
     if option.stage in (1, 2):
         if option.offload_parameters != "none":
             raise MemoryPlanError(f"{option.name}: parameter offload needs ZeRO stage 3.")
-        dev_params = pb * total
+        dev_params: float = pb * total
         # ZeRO-1 keeps full 16-bit gradients on every device; ZeRO-2 keeps only its partition
         grads16 = pb * total if option.stage == 1 else pb * per_device
         if option.offload_optimizer == "none":
@@ -206,7 +210,10 @@ def estimate_option(option: ZeroOption, counts: ModelCounts, cluster: Cluster, a
             host_grads = FP32_BYTES * per_node
             host_optimizer = master_and_states * per_node
         else:
-            raise MemoryPlanError(f"{option.name}: ZeRO-{option.stage} offloads the optimizer to 'cpu' only, not {option.offload_optimizer!r}.")
+            raise MemoryPlanError(
+                f"{option.name}: ZeRO-{option.stage} offloads the optimizer to 'cpu' only, "
+                f"not {option.offload_optimizer!r}."
+            )
     elif option.stage == 3:
         gathered = pb * largest  # the largest layer gathered in full during forward/backward
         params_on_device = option.offload_parameters == "none"

@@ -66,7 +66,8 @@ def counts_from_factory(path: str) -> ModelCounts:
         model = factory()
     if not isinstance(model, torch.nn.Module):
         raise MemoryPlanError(
-            f"Model factory {path!r} returned a {type(model).__name__}, not a torch.nn.Module: make it return the model."
+            f"Model factory {path!r} returned a {type(model).__name__}, not a torch.nn.Module: "
+            "make it return the model."
         )
     return count_parameters(model)
 

@@ -23,7 +23,8 @@ def _budget_line(result: Plan) -> str:
         nvme = "no NVMe path"
     else:
         nvme = f"NVMe {format_size(b.nvme_free)} free"
-    return f"Budget: {device}, {format_size(b.host_memory)} host memory per node, {nvme}; safety margin {result.safety_margin:.0%}."
+    host = format_size(b.host_memory)
+    return f"Budget: {device}, {host} host memory per node, {nvme}; safety margin {result.safety_margin:.0%}."
 
 
 def format_table(result: Plan, names: dict[str, str] | None = None) -> str:
@@ -37,8 +38,8 @@ def format_table(result: Plan, names: dict[str, str] | None = None) -> str:
         f"Job: {result.cluster.nodes} node(s) x {result.cluster.devices_per_node} device(s) = "
         f"{result.cluster.total_devices} processes.",
         _budget_line(result),
-        f"Model states only (activations are not counted); host memory includes DeepSpeed's buffer factor {a.buffer_factor}. "
-        "Sizes in bytes: K/M/G/T = 2^10/2^20/2^30/2^40.",
+        "Model states only (activations are not counted); host memory includes DeepSpeed's buffer factor "
+        f"{a.buffer_factor}. Sizes in bytes: K/M/G/T = 2^10/2^20/2^30/2^40.",
         "",
     ]
     lines.append(_HEAD)
@@ -59,7 +60,9 @@ def format_table(result: Plan, names: dict[str, str] | None = None) -> str:
         lines.append(f"  {names.get(verdict.estimate.option.name, verdict.estimate.option.name)}: {verdict.reason}")
     if result.choice is not None:
         chosen = result.choice.estimate.option
-        lines.append(f"Choice: {names.get(chosen.name, chosen.name)} ({chosen.description}), the fastest option that fits.")
+        lines.append(
+            f"Choice: {names.get(chosen.name, chosen.name)} ({chosen.description}), the fastest option that fits."
+        )
     else:
         lines.append("Choice: none; no option fits.")
     return "\n".join(lines)
@@ -71,28 +74,52 @@ def plan_to_dict(result: Plan, names: dict[str, str] | None = None) -> dict[str,
     options = []
     for verdict in result.verdicts:
         e = verdict.estimate
-        options.append({
-            "name": names.get(e.option.name, e.option.name),
-            "stage": e.option.stage,
-            "offload_optimizer": e.option.offload_optimizer,
-            "offload_parameters": e.option.offload_parameters,
-            "device_bytes": {"params": e.device.params, "grads": e.device.grads, "optimizer": e.device.optimizer,
-                             "total": e.device.total},
-            "host_bytes_per_node": {"load": e.host.load, "params": e.host.params, "grads": e.host.grads,
-                                    "optimizer": e.host.optimizer, "total": e.host.total},
-            "nvme_bytes_per_node": e.nvme_per_node,
-            "fits": verdict.fits,
-            "reason": verdict.reason,
-        })
+        options.append(
+            {
+                "name": names.get(e.option.name, e.option.name),
+                "stage": e.option.stage,
+                "offload_optimizer": e.option.offload_optimizer,
+                "offload_parameters": e.option.offload_parameters,
+                "device_bytes": {
+                    "params": e.device.params,
+                    "grads": e.device.grads,
+                    "optimizer": e.device.optimizer,
+                    "total": e.device.total,
+                },
+                "host_bytes_per_node": {
+                    "load": e.host.load,
+                    "params": e.host.params,
+                    "grads": e.host.grads,
+                    "optimizer": e.host.optimizer,
+                    "total": e.host.total,
+                },
+                "nvme_bytes_per_node": e.nvme_per_node,
+                "fits": verdict.fits,
+                "reason": verdict.reason,
+            }
+        )
     b = result.budgets
     return {
-        "model": {"total_params": result.counts.total_params, "largest_layer_params": result.counts.largest_layer_params},
+        "model": {
+            "total_params": result.counts.total_params,
+            "largest_layer_params": result.counts.largest_layer_params,
+        },
         "cluster": {"nodes": result.cluster.nodes, "devices_per_node": result.cluster.devices_per_node},
-        "accounting": {"precision": result.accounting.precision, "optimizer_state_bytes": result.accounting.optimizer_state_bytes,
-                       "buffer_factor": result.accounting.buffer_factor, "zero_init": result.accounting.zero_init},
-        "budgets": {"device_bytes": b.device_memory, "host_bytes_per_node": b.host_memory, "nvme_free_bytes": b.nvme_free,
-                    "nvme_unusable": b.nvme_unusable},
+        "accounting": {
+            "precision": result.accounting.precision,
+            "optimizer_state_bytes": result.accounting.optimizer_state_bytes,
+            "buffer_factor": result.accounting.buffer_factor,
+            "zero_init": result.accounting.zero_init,
+        },
+        "budgets": {
+            "device_bytes": b.device_memory,
+            "host_bytes_per_node": b.host_memory,
+            "nvme_free_bytes": b.nvme_free,
+            "nvme_unusable": b.nvme_unusable,
+        },
         "safety_margin": result.safety_margin,
         "options": options,
-        "choice": names.get(result.choice.estimate.option.name, result.choice.estimate.option.name) if result.choice else None,
+        "choice": names.get(result.choice.estimate.option.name, result.choice.estimate.option.name)
+        if result.choice
+        else None,
     }

@@ -113,7 +113,9 @@ def plan(
 ) -> Plan:
     """Estimate every option, assess each against the budgets and choose the first (fastest) that fits."""
     if not 0 <= safety_margin < 1:
-        raise MemoryPlanError(f"The safety margin is a fraction of memory kept free, between 0 and 1; got {safety_margin}.")
+        raise MemoryPlanError(
+            f"The safety margin is a fraction of memory kept free, between 0 and 1; got {safety_margin}."
+        )
     verdicts = [assess(e, budgets, cluster, safety_margin) for e in estimate_all(counts, cluster, accounting, options)]
     choice = next((v for v in verdicts if v.fits), None)
     return Plan(counts, cluster, accounting, budgets, safety_margin, verdicts, choice)
@@ -191,6 +193,8 @@ def explain_no_fit(result: Plan) -> str:
     if ideas:
         lines.append("What would fit: " + "; or ".join(ideas) + ".")
     else:
-        lines.append("Neither more nodes, NVMe offload, 16-bit precision nor zero.Init would make an option fit: use a "
-                     "smaller model or devices with more memory.")
+        lines.append(
+            "Neither more nodes, NVMe offload, 16-bit precision nor zero.Init would make an option fit: use a "
+            "smaller model or devices with more memory."
+        )
     return "\n".join(lines)

@@ -52,5 +52,11 @@ def format_short(num_bytes: float) -> str:
     for suffix, size in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
         if num_bytes >= size:
             value = num_bytes / size
-            return f"{value:.2f}{suffix}" if value < 100 else f"{value:.1f}{suffix}" if value < 1000 else f"{value:.0f}{suffix}"
+            return (
+                f"{value:.2f}{suffix}"
+                if value < 100
+                else f"{value:.1f}{suffix}"
+                if value < 1000
+                else f"{value:.0f}{suffix}"
+            )
     return f"{int(num_bytes)}B"

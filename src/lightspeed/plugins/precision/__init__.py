@@ -1,9 +1,5 @@
-"""Lightning precision plugins. Names load on first access so that ``import lightspeed`` stays light."""
+"""Lightning precision plugins: ``XLAPrecision`` (bf16 and downcast-bf16 by casting, not by environment variables)."""
 
-from __future__ import annotations
+from lightspeed.plugins.precision.xla import XLAPrecision
 
-from lightspeed._lazy import lazy_getattr
-
-_LAZY = {"XLAPrecision": "lightspeed.plugins.precision.xla"}
-__all__ = list(_LAZY)
-__getattr__ = lazy_getattr(__name__, _LAZY)
+__all__ = ["XLAPrecision"]

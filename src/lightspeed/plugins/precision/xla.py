@@ -19,15 +19,17 @@ Lightning in float32; so metrics and logs are computed in float32.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Mapping
-from typing import Any, Callable
+from collections.abc import Generator
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision.xla import XLAPrecision as _LightningXLAPrecision
-from lightning_utilities import apply_to_collection
-from torch import Tensor
 from torch.nn import Module
-from torchmetrics import Metric
+from typing_extensions import override
+
+from lightspeed.core.casting import cast_floating_tensors, cast_module_tensors, upcast_metric_updates
+
+__all__ = ["DEPRECATED_XLA_ENV_VARS", "XLA_PRECISION_MODES", "XLAPrecision"]
 
 XLA_PRECISION_MODES = ("bf16-true", "bf16-downcast", "bf16-mixed", "32-true")
 
@@ -43,7 +45,7 @@ _CAST_MAPS: dict[str, dict[torch.dtype, torch.dtype]] = {
 DEPRECATED_XLA_ENV_VARS = ("XLA_USE_BF16", "XLA_DOWNCAST_BF16", "XLA_USE_F16")
 
 
-def validate_xla_precision(mode: object) -> str:
+def _validate_xla_precision(mode: object) -> str:
     """Return ``mode`` if it is one of :data:`XLA_PRECISION_MODES`, else raise a ``ValueError`` listing them."""
     if mode not in XLA_PRECISION_MODES:
         choices = ", ".join(repr(m) for m in XLA_PRECISION_MODES)
@@ -52,67 +54,6 @@ def validate_xla_precision(mode: object) -> str:
             " (`bf16-downcast` is only available as `plugins=[XLAPrecision('bf16-downcast')]`)."
         )
     return str(mode)
-
-
-def cast_floating_tensors(data: Any, cast_map: Mapping[torch.dtype, torch.dtype]) -> Any:
-    """Cast every tensor in the collection ``data`` whose dtype is a key of ``cast_map`` to the mapped dtype."""
-    if not cast_map:
-        return data
-
-    def _cast(tensor: Tensor) -> Tensor:
-        target = cast_map.get(tensor.dtype)
-        return tensor if target is None else tensor.to(target)
-
-    return apply_to_collection(data, Tensor, _cast)
-
-
-def cast_module_tensors(module: Module, cast_map: Mapping[torch.dtype, torch.dtype]) -> Module:
-    """Cast parameters and buffers of ``module`` in place according to ``cast_map``.
-
-    torchmetrics metrics inside the module are left alone: their states accumulate in their own dtype.
-    """
-    if not cast_map:
-        return module
-    metric_ids = {id(m) for m in module.modules() if isinstance(m, Metric)}
-    skipped: set[int] = set()
-    for sub in module.modules():
-        if id(sub) in metric_ids or id(sub) in skipped:
-            skipped.update(id(m) for m in sub.modules())
-            continue
-        for param in sub.parameters(recurse=False):
-            target = cast_map.get(param.dtype)
-            if target is not None:
-                param.data = param.data.to(target)
-                if param.grad is not None:
-                    param.grad = param.grad.to(target)
-        for name, buffer in sub.named_buffers(recurse=False):
-            target = cast_map.get(buffer.dtype)
-            if target is not None:
-                sub._buffers[name] = buffer.to(target)
-    return module
-
-
-def _upcast_metric_inputs(update: Callable[..., Any]) -> Callable[..., Any]:
-    def update_in_float32(*args: Any, **kwargs: Any) -> Any:
-        upcast = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
-        return update(*cast_floating_tensors(args, upcast), **cast_floating_tensors(kwargs, upcast))
-
-    update_in_float32.__wrapped__ = update  # type: ignore[attr-defined]
-    update_in_float32._lightspeed_upcast = True  # type: ignore[attr-defined]
-    return update_in_float32
-
-
-def upcast_metric_updates(module: Module) -> int:
-    """Make every torchmetrics metric in ``module`` receive float32 instead of bfloat16/float16 inputs.
-
-    Returns how many metrics were wrapped (already wrapped ones are not wrapped twice).
-    """
-    wrapped = 0
-    for sub in module.modules():
-        if isinstance(sub, Metric) and not getattr(sub.update, "_lightspeed_upcast", False):
-            sub.update = _upcast_metric_inputs(sub.update)  # type: ignore[method-assign]
-            wrapped += 1
-    return wrapped
 
 
 class _DefaultDtype(contextlib.ContextDecorator):
@@ -143,7 +84,7 @@ class XLAPrecision(_LightningXLAPrecision):
 
     def __init__(self, precision: str = "32-true") -> None:
         # Lightning's __init__ sets XLA_USE_BF16 / XLA_USE_F16; it is deliberately not called.
-        self.precision = validate_xla_precision(precision)  # type: ignore[assignment]
+        self.precision = _validate_xla_precision(precision)  # type: ignore[assignment]
         self._cast_map = _CAST_MAPS[self.precision]
         self._desired_dtype = torch.bfloat16 if self.precision in ("bf16-true", "bf16-downcast") else torch.float32
 
@@ -153,6 +94,7 @@ class XLAPrecision(_LightningXLAPrecision):
         return self.precision != "32-true"
 
     # ---- module and data -------------------------------------------------------------------------------------
+    @override
     def convert_module(self, module: Module) -> Module:
         """Cast parameters and buffers in place per mode; wrap metrics so they compute in float32."""
         cast_module_tensors(module, self._cast_map)
@@ -160,26 +102,31 @@ class XLAPrecision(_LightningXLAPrecision):
             upcast_metric_updates(module)
         return module
 
+    @override
     def convert_input(self, data: Any) -> Any:
         """Cast floating tensors of a batch per mode (float64 -> float32 in downcast, everything -> bf16 in true)."""
         return cast_floating_tensors(data, self._cast_map)
 
+    @override
     def convert_output(self, data: Any) -> Any:
         """Hand bfloat16 outputs back as float32 so that predictions and returned values are usable."""
         if not self.uses_bf16:
             return data
         return cast_floating_tensors(data, {torch.bfloat16: torch.float32})
 
+    @override
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
         """In the bf16 casting modes, tensors created during model init are bfloat16 from the start."""
         if self.precision in ("bf16-true", "bf16-downcast"):
             return _DefaultDtype(torch.bfloat16)
         return contextlib.nullcontext()
 
+    @override
     def module_init_context(self) -> contextlib.AbstractContextManager:
         return self.tensor_init_context()
 
     @contextlib.contextmanager
+    @override
     def forward_context(self) -> Generator[None, None, None]:
         """Autocast on the XLA device in ``bf16-mixed``; bf16 default dtype in the casting modes."""
         if self.precision == "bf16-mixed":
@@ -194,6 +141,7 @@ class XLAPrecision(_LightningXLAPrecision):
     # optimizer_step is Lightning's XLA one: run the closure, all-reduce gradients over replicas
     # (``xm.reduce_gradients``, once per optimizer step, i.e. at accumulation window boundaries), step, mark_step.
 
+    @override
     def teardown(self) -> None:
         """Nothing to undo: no environment variable was set (Lightning's would delete the user's XLA_USE_BF16)."""
 

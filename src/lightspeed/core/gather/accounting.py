@@ -32,13 +32,17 @@ far) starts at position 0.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, IterableDataset
+
+from lightspeed.core.batch import count_samples
 
 Layout = Literal["strided", "shards"]
 
@@ -71,28 +75,38 @@ class GatherState:
     # construction ---------------------------------------------------------------------------------------------
 
     @classmethod
-    def strided(cls, total_samples: int, rank: int | None = None, world_size: int | None = None, **kw: Any) -> "GatherState":
+    def strided(
+        cls, total_samples: int, rank: int | None = None, world_size: int | None = None, **kw: Any
+    ) -> GatherState:
         """Round-robin layout over ``total_samples`` real samples (DistributedSampler without ``drop_last``)."""
         rank, world_size = _rank_and_world(rank, world_size)
         return cls("strided", rank, world_size, len(range(rank, total_samples, world_size)), total_samples, **kw)
 
     @classmethod
-    def shards(cls, real_samples: int | None = None, rank: int | None = None, world_size: int | None = None, **kw: Any) -> "GatherState":
+    def shards(
+        cls, real_samples: int | None = None, rank: int | None = None, world_size: int | None = None, **kw: Any
+    ) -> GatherState:
         """Every rank owns a shard; its first ``real_samples`` samples are real (``None``: all of them)."""
         rank, world_size = _rank_and_world(rank, world_size)
         return cls("shards", rank, world_size, real_samples, None, **kw)
 
     @classmethod
     def from_dataloader(
-        cls, dataloader: Iterable[Any], rank: int | None = None, world_size: int | None = None, name: str = "dataloader 0"
-    ) -> "GatherState":
+        cls,
+        dataloader: Iterable[Any],
+        rank: int | None = None,
+        world_size: int | None = None,
+        name: str = "dataloader 0",
+    ) -> GatherState:
         """Read the sampler and dataset of ``dataloader`` (see the module docstring for the rules)."""
         state = cls._from_dataloader(dataloader, rank, world_size, name)
         state.drop_last_batches = bool(getattr(dataloader, "drop_last", False))
         return state
 
     @classmethod
-    def _from_dataloader(cls, dataloader: Iterable[Any], rank: int | None, world_size: int | None, name: str) -> "GatherState":
+    def _from_dataloader(
+        cls, dataloader: Iterable[Any], rank: int | None, world_size: int | None, name: str
+    ) -> GatherState:
         rank, world_size = _rank_and_world(rank, world_size)
         dataset = getattr(dataloader, "dataset", None)
         sampler = find_distributed_sampler(dataloader)
@@ -103,30 +117,32 @@ class GatherState:
                     f"but the process group has {world_size}; create the sampler with num_replicas={world_size} "
                     "(or let Lightning inject it)."
                 )
-            length = len(sampler.dataset)
+            length = len(sampler.dataset)  # type: ignore[arg-type]
             real_positions = min(length, int(sampler.total_size))
             source = (
                 f"{type(sampler).__name__}(len={length}, world_size={world_size}, "
-                f"drop_last={bool(getattr(sampler, 'drop_last', False))}, shuffle={bool(getattr(sampler, 'shuffle', False))})"
+                f"drop_last={bool(getattr(sampler, 'drop_last', False))}, "
+                f"shuffle={bool(getattr(sampler, 'shuffle', False))})"
             )
-            return cls(
-                "strided", sampler.rank, world_size, len(range(sampler.rank, real_positions, world_size)),
-                real_positions, source=source, name=name,
-            )
+            real_samples = len(range(sampler.rank, real_positions, world_size))
+            return cls("strided", sampler.rank, world_size, real_samples, real_positions, source=source, name=name)
         if isinstance(dataset, IterableDataset):
-            length = _len_or_none(dataset)
-            if length is None:
-                return cls("shards", rank, world_size, None, None, source=f"{type(dataset).__name__} without __len__", name=name)
-            state = cls.strided(length, rank, world_size, source=f"{type(dataset).__name__}(len={length}), round-robin shards", name=name)
+            total = _len_or_none(dataset)
+            if total is None:
+                source = f"{type(dataset).__name__} without __len__"
+                return cls("shards", rank, world_size, None, None, source=source, name=name)
+            source = f"{type(dataset).__name__}(len={total}), round-robin shards"
+            state = cls.strided(total, rank, world_size, source=source, name=name)
             state.from_iterable_len = True
             return state
         if world_size > 1 and dataset is not None:
-            _warn_once(
-                "lightspeed.gather_for_metrics: %s has a map-style dataset but no DistributedSampler; every sample a "
-                "rank loads is taken as real (the ranks are assumed to hold disjoint shards). If every rank iterates "
-                "the whole dataset, the gathered result holds world_size copies." % name
+            warn_once(
+                f"lightspeed.gather_for_metrics: {name} has a map-style dataset but no DistributedSampler; every "
+                "sample a rank loads is taken as real (the ranks are assumed to hold disjoint shards). If every rank "
+                "iterates the whole dataset, the gathered result holds world_size copies."
             )
-        return cls("shards", rank, world_size, None, None, source="map-style dataset without DistributedSampler", name=name)
+        source = "map-style dataset without DistributedSampler"
+        return cls("shards", rank, world_size, None, None, source=source, name=name)
 
     # progress -------------------------------------------------------------------------------------------------
 
@@ -173,8 +189,12 @@ class GatherState:
             return 0
         return None
 
+    def describe(self) -> str:
+        """One line for cross-rank checks: every rank must count the samples of the same dataloader alike."""
+        return f"accounting: {self.layout}, total={self.total_samples}, {self.name}"
+
     @contextlib.contextmanager
-    def active(self) -> Iterator["GatherState"]:
+    def active(self) -> Iterator[GatherState]:
         """Make this the state that :func:`gather_for_metrics` uses while the block runs."""
         previous = current_state()
         set_current_state(self)
@@ -190,7 +210,7 @@ _CURRENT: GatherState | None = None
 
 
 def current_state() -> GatherState | None:
-    """The state that :func:`gather_for_metrics` uses when none is passed (set by the callback or :func:`lightspeed.core.gather.track`)."""
+    """The state that :func:`gather_for_metrics` uses when none is passed (set by the callback or ``track``)."""
     return _CURRENT
 
 
@@ -202,34 +222,62 @@ def set_current_state(state: GatherState | None) -> None:
 
 # helpers -------------------------------------------------------------------------------------------------------
 
-def infer_batch_size(batch: Any) -> int:
-    """Number of samples in ``batch``: the length of the first tensor (or list) found in it."""
-    if isinstance(batch, torch.Tensor):
-        if batch.ndim == 0:
-            raise ValueError("cannot infer a batch size from a 0-d tensor; call GatherState.begin_batch(n) yourself.")
-        return int(batch.shape[0])
-    if isinstance(batch, dict):
-        for value in batch.values():
-            with contextlib.suppress(ValueError):
-                return infer_batch_size(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            with contextlib.suppress(ValueError):
-                return infer_batch_size(value)
-        if batch and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in batch):
-            return len(batch)
-    raise ValueError(f"cannot infer a batch size from a {type(batch).__name__}; call GatherState.begin_batch(n) yourself.")
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a dataloader batch, by ``count_samples``, for :meth:`GatherState.begin_batch`.
+
+    Raises ``ValueError`` when ``batch`` has no sample dimension, since the caller must then give the size itself.
+    """
+    samples = count_samples(batch)
+    if samples is None:
+        kind = "0-d tensor" if isinstance(batch, torch.Tensor) else type(batch).__name__
+        raise ValueError(f"cannot infer a batch size from a {kind}; call GatherState.begin_batch(n) yourself.")
+    return samples
 
 
 def find_distributed_sampler(dataloader: Any) -> DistributedSampler | None:
     """The DistributedSampler a dataloader draws from (directly or inside its batch sampler), if any."""
-    candidates = [getattr(dataloader, "sampler", None)]
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    candidates += [getattr(batch_sampler, "sampler", None), getattr(getattr(batch_sampler, "_batch_sampler", None), "sampler", None)]
+    candidates = [
+        getattr(dataloader, "sampler", None),
+        getattr(batch_sampler, "sampler", None),
+        getattr(getattr(batch_sampler, "_batch_sampler", None), "sampler", None),
+    ]
     for sampler in candidates:
         if isinstance(sampler, DistributedSampler):
             return sampler
     return None
+
+
+@functools.lru_cache(maxsize=4)  # the leaves of one gather share their counts: one permutation for all of them
+def global_order(valid: tuple[int, ...], start: tuple[int, ...], world: int) -> torch.Tensor:
+    """Permutation that puts rank-major gathered rows into global sampler order (position * world + rank).
+
+    ``valid`` and ``start`` are, per rank, the real rows gathered and the local position of the first of them.
+    """
+    if len(set(start)) == 1:  # the usual case: position by position, rank by rank, skipping ranks that ran out
+        offsets = torch.tensor([0, *valid[:-1]], dtype=torch.int64).cumsum(0)
+        steps = torch.arange(max(valid, default=0), dtype=torch.int64)
+        grid = offsets[None, :] + steps[:, None]  # [position, rank] -> row in the rank-major concatenation
+        present = steps[:, None] < torch.tensor(valid, dtype=torch.int64)[None, :]
+        return grid[present]
+    keys = torch.cat(
+        [
+            (torch.arange(v, dtype=torch.int64) + s) * world + r
+            for r, (v, s) in enumerate(zip(valid, start, strict=True))
+        ]
+    )
+    return torch.argsort(keys, stable=True)
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Warn with ``message`` the first time only (a gather can run once per batch)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _len_or_none(obj: Any) -> int | None:
@@ -250,15 +298,13 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return rank, world_size
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
 __all__ = [
-    "GatherState", "current_state", "set_current_state", "infer_batch_size", "find_distributed_sampler",
+    "GatherState",
+    "Layout",
+    "batch_size_of",
+    "current_state",
+    "find_distributed_sampler",
+    "global_order",
+    "set_current_state",
+    "warn_once",
 ]

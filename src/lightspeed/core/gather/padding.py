@@ -7,8 +7,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightspeed.core.gather_sync import CallSite, agree, is_distributed
-from lightspeed.core.gather_tree import flatten
+from lightspeed.core.distributed import is_distributed
+from lightspeed.core.gather.collective import CallSite, agree
+from lightspeed.core.gather.tree import flatten
 
 
 def pad_tensor(tensor: torch.Tensor, dim: int, size: int, pad_index: Any = 0, pad_first: bool = False) -> torch.Tensor:
@@ -51,5 +52,10 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: Any = 0, pad_first:
         payload=[leaf.value.shape[dim] if error is None else 0 for leaf in tensors],
     )
     target = [max(rank_sizes[i] for rank_sizes in sizes) for i in range(len(tensors))]
-    padded = iter(pad_tensor(leaf.value, dim, size, pad_index, pad_first) for leaf, size in zip(tensors, target))
+    padded = iter(
+        pad_tensor(leaf.value, dim, size, pad_index, pad_first) for leaf, size in zip(tensors, target, strict=True)
+    )
     return rebuild([next(padded) if leaf.kind == "tensor" else leaf.value for leaf in leaves])
+
+
+__all__ = ["pad_across_processes", "pad_tensor"]

@@ -25,12 +25,16 @@ from __future__ import annotations
 import os
 import time
 import zlib
+from collections.abc import Sequence
 from datetime import timedelta
 from enum import IntEnum
-from typing import Sequence
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+from lightspeed.core.distributed import is_distributed
+from lightspeed.core.gather.accounting import GatherState, current_state
 
 TIMEOUT_ENV = "LIGHTSPEED_GATHER_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -53,11 +57,6 @@ class CallSite(IntEnum):
     PAD = 4  # pad_across_processes
 
 
-def is_distributed() -> bool:
-    """True when a process group with more than one rank is running."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def gather_timeout() -> float:
     """Seconds a gather waits for every rank (``LIGHTSPEED_GATHER_TIMEOUT``; 0 waits without a limit)."""
     raw = os.environ.get(TIMEOUT_ENV, "")
@@ -66,7 +65,9 @@ def gather_timeout() -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; set it to e.g. 300 (or 0 to wait without a limit).") from None
+        raise ValueError(
+            f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; set it to e.g. 300 (or 0 to wait without a limit)."
+        ) from None
     if value < 0:
         raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be >= 0 seconds (0 waits without a limit).")
     return value
@@ -82,7 +83,7 @@ def comm_device() -> torch.device:
 _SEQUENCE = 0  # gathers made by this process; equal on all ranks while they make the same calls
 
 
-def _wait(work: "dist.Work", what: str, timeout: float) -> None:
+def _wait(work: dist.Work, what: str, timeout: float) -> None:
     """Wait for a collective; if it does not finish in time, name the ranks that never arrived."""
     if timeout == 0 or dist.get_backend() != "gloo":
         work.wait()
@@ -119,7 +120,7 @@ def _missing_ranks_message(what: str, timeout: float) -> str:
     return f"{what}: rank(s) {', '.join(map(str, missing))} did not arrive within {timeout:g} s; {hint}"
 
 
-def all_gather_flat(output: torch.Tensor, local: torch.Tensor, async_op: bool = False) -> "dist.Work | None":
+def all_gather_flat(output: torch.Tensor, local: torch.Tensor, async_op: bool = False) -> dist.Work | None:
     """Same-size all-gather into one tensor (``all_gather_single`` where it exists, its older name elsewhere)."""
     gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather_single(output, local, async_op=async_op)
@@ -166,14 +167,23 @@ def agree(
     capacity = _inline_capacity
     inline_payload = len(payload) <= PAYLOAD_CAPACITY
     inline_data = data_len <= capacity
-    header = [checksum("\n".join(signature)), call_site[0], call_site[1], int(error is not None), data_len, int(inline_data)]
+    header = [
+        checksum("\n".join(signature)),
+        call_site[0],
+        call_site[1],
+        int(error is not None),
+        data_len,
+        int(inline_data),
+    ]
     header += list(payload) + [0] * (PAYLOAD_CAPACITY - len(payload)) if inline_payload else [0] * PAYLOAD_CAPACITY
     local = torch.zeros(_HEADER_BYTES + capacity, dtype=torch.uint8, device=device)
     local[:_HEADER_BYTES] = torch.tensor(header, dtype=torch.int64).view(torch.uint8).to(device)
-    if inline_data and data_len:
-        local[_HEADER_BYTES:_HEADER_BYTES + data_len] = data.to(device)
+    if data is not None and inline_data and data_len:
+        local[_HEADER_BYTES : _HEADER_BYTES + data_len] = data.to(device)
     gathered = torch.empty(world * local.numel(), dtype=torch.uint8, device=device)
-    _wait(all_gather_flat(gathered, local, async_op=True), what, gather_timeout())
+    work = all_gather_flat(gathered, local, async_op=True)
+    assert work is not None  # async_op=True always returns the work to wait on
+    _wait(work, what, gather_timeout())
     gathered = gathered.view(world, -1)
     rows = gathered[:, :_HEADER_BYTES].cpu().contiguous().view(torch.int64).view(world, _HEADER_INTS).tolist()
     if not all(row[:3] == rows[0][:3] and row[3] == 0 for row in rows):
@@ -183,7 +193,7 @@ def agree(
         different_sites = len({site for _, site, _, _ in details}) > 1
         raising = errors[0] if errors else (CallSiteMismatch if different_sites else GatherError)
         raise raising(describe_disagreement(what, [d[:3] for d in details]))
-    payloads = [row[6:6 + len(payload)] for row in rows] if inline_payload else all_gather_ints(payload)
+    payloads = [row[6 : 6 + len(payload)] for row in rows] if inline_payload else all_gather_ints(payload)
     if data is None:
         return payloads, None
     lengths = [row[4] for row in rows]
@@ -191,14 +201,14 @@ def agree(
     if longest <= INLINE_DATA_LIMIT:  # every rank takes the same decision from the same headers
         _inline_capacity = max(_inline_capacity, longest)
     if all(row[5] for row in rows):
-        return payloads, [gathered[r, _HEADER_BYTES:_HEADER_BYTES + lengths[r]] for r in range(world)]
+        return payloads, [gathered[r, _HEADER_BYTES : _HEADER_BYTES + lengths[r]] for r in range(world)]
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:data_len] = data.to(device)
     second = torch.empty(world * longest, dtype=torch.uint8, device=device)
     if longest:
         all_gather_flat(second, padded)
     second = second.view(world, longest)
-    return payloads, [second[r, :lengths[r]] for r in range(world)]
+    return payloads, [second[r, : lengths[r]] for r in range(world)]
 
 
 def describe_disagreement(what: str, details: Sequence[tuple[list[str], str, str | None]]) -> str:
@@ -209,7 +219,8 @@ def describe_disagreement(what: str, details: Sequence[tuple[list[str], str, str
             by_error.setdefault(err, []).append(rank)
     if by_error:  # the same problem on several ranks is said once
         return f"{what}: " + "; ".join(
-            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {err}" for err, ranks in by_error.items()
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {err}"
+            for err, ranks in by_error.items()
         )
     sites = [site for _, site, _ in details]
     if len(set(sites)) > 1:
@@ -221,14 +232,17 @@ def describe_disagreement(what: str, details: Sequence[tuple[list[str], str, str
         )
 
     def split(signature: list[str]) -> tuple[list[str], list[str]]:
-        return [x for x in signature if not x.startswith("accounting:")], [x for x in signature if x.startswith("accounting:")]
+        return [x for x in signature if not x.startswith("accounting:")], [
+            x for x in signature if x.startswith("accounting:")
+        ]
 
     reference, reference_accounting = split(details[0][0])
     for rank, (signature, _, _) in enumerate(details[1:], start=1):
         leaves, accounting = split(signature)
         if leaves != reference:
             return (
-                f"{what}: rank {rank} passed different data than rank 0 ({_first_difference(reference, leaves, rank)}). "
+                f"{what}: rank {rank} passed different data than rank 0 "
+                f"({_first_difference(reference, leaves, rank)}). "
                 "Every rank must pass the same structure (same keys, same nesting) with the same dtypes and number "
                 "of dimensions."
             )
@@ -243,10 +257,10 @@ def describe_disagreement(what: str, details: Sequence[tuple[list[str], str, str
 
 
 def _first_difference(reference: list[str], other: list[str], rank: int) -> str:
-    for line_ref, line_other in zip(reference, other):
+    for line_ref, line_other in zip(reference, other, strict=False):
         if line_ref != line_other:
             return f"rank 0 has {line_ref!r}, rank {rank} has {line_other!r}"
-    extra = (reference[len(other):] or other[len(reference):] or ["?"])[0]
+    extra = (reference[len(other) :] or other[len(reference) :] or ["?"])[0]
     return f"rank 0 has {len(reference)} leaves, rank {rank} has {len(other)}; unmatched: {extra!r}"
 
 
@@ -259,3 +273,43 @@ def all_gather_ints(values: Sequence[int]) -> list[list[int]]:
     gathered = torch.empty(world * mine.numel(), dtype=torch.int64, device=mine.device)
     all_gather_flat(gathered, mine)
     return gathered.view(world, -1).tolist()
+
+
+def gather_site(state: GatherState | None) -> tuple[int, int]:
+    """The call site of a ``gather_for_metrics`` call: which batch of its dataloader it gathers (0 without a state)."""
+    return (CallSite.GATHER, state.batches if state is not None else 0)
+
+
+def fail_gather(error: GatherError, state: GatherState | None = None) -> NoReturn:
+    """Raise ``error`` on every rank, from inside the ``gather_for_metrics`` call that the other ranks are in.
+
+    For a rank that cannot make its gather (e.g. a step returned no predictions): raising only here would leave
+    the other ranks waiting in theirs. Instead this rank joins that collective flagged as failed, and every rank
+    raises ``type(error)`` with the message, naming this rank. Without a process group it raises ``error`` as is.
+    """
+    if not is_distributed():
+        raise error
+    state = state if state is not None else current_state()
+    site = gather_site(state)
+    agree("gather_for_metrics", ["failed"], site, "a failed gather_for_metrics", str(error), error_type=type(error))
+    raise error  # not reached: agree raises on every rank when one reports an error
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "INLINE_DATA_LIMIT",
+    "PAYLOAD_CAPACITY",
+    "TIMEOUT_ENV",
+    "CallSite",
+    "CallSiteMismatch",
+    "GatherError",
+    "agree",
+    "all_gather_flat",
+    "all_gather_ints",
+    "checksum",
+    "comm_device",
+    "describe_disagreement",
+    "fail_gather",
+    "gather_site",
+    "gather_timeout",
+]

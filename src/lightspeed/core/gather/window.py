@@ -3,7 +3,7 @@
 A collective costs a fixed latency whatever it carries (about a millisecond over gloo between CPU processes, tens
 of microseconds over NCCL), so gathering small per-batch outputs (class predictions, targets) one batch at a time
 can cost as much as evaluating the batch. A :class:`BatchWindow` keeps the outputs of consecutive batches of one
-dataloader, gathers them with one :func:`~lightspeed.core.gather.gather_for_metrics` call that names the window's
+dataloader, gathers them with one :func:`~lightspeed.core.gather.api.gather_for_metrics` call that names the window's
 first sample (so the sampler's padding is still dropped exactly), and splits the result back into global batches:
 a metric is still updated once per batch, with the same samples a per-batch gather would have given it.
 
@@ -15,15 +15,18 @@ dataloader's batch size, and after each gather from the gathered data (:func:`ba
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from lightspeed.core.gather import fail_gather, gather_for_metrics
-from lightspeed.core.gather_state import GatherState
-from lightspeed.core.gather_sync import GatherError
+from lightspeed.core.gather.accounting import GatherState
+from lightspeed.core.gather.api import gather_for_metrics
+from lightspeed.core.gather.collective import GatherError, fail_gather
+from lightspeed.core.gather.tree import as_leaf
 
 #: name of the extra gathered leaf holding each sample's batch number (chosen not to collide with output names)
 _BATCH_KEY = "__lightspeed_batch__"
@@ -56,7 +59,9 @@ class BatchWindow:
         if not self.fits(outputs):
             raise ValueError("BatchWindow.add: these outputs do not fit the window; gather it first (see fits()).")
         self._layout = self._layout or _layout(outputs)
-        rows = sample_rows(next(iter(outputs.values()))) if outputs else 0
+        rows = as_leaf(next(iter(outputs.values()))).rows if outputs else 0
+        if rows is None:
+            raise ValueError("BatchWindow.add: the first output has no sample dimension (a 0-d tensor or an object).")
         self._outputs.append(outputs)
         self._numbers.append(torch.full((rows,), self.batches, dtype=torch.int32))
         self.batches += 1
@@ -78,7 +83,7 @@ class BatchWindow:
             raise ValueError("BatchWindow.gather: the window holds no batch; add() one first.")
         if self.batches == 1:  # every rank's window holds one batch (sizes agree): nothing to split
             gathered = gather_for_metrics(dict(self._outputs[0]), state=state, first_sample=self.first_sample)
-            return [gathered] if sample_rows(next(iter(gathered.values()))) else []
+            return [gathered] if as_leaf(next(iter(gathered.values()))).rows else []
         data = {name: concat_samples([o[name] for o in self._outputs]) for name in self._outputs[0]}
         data[_BATCH_KEY] = torch.cat(self._numbers)
         gathered = gather_for_metrics(data, state=state, first_sample=self.first_sample)
@@ -119,7 +124,7 @@ def row_bytes(outputs: Mapping[str, Any]) -> int:
     return total
 
 
-def batches_per_window(limit_bytes: int, gathered: list[Mapping[str, Any]], world_size: int, batches: int) -> int:
+def batches_per_window(limit_bytes: int, gathered: Sequence[Mapping[str, Any]], world_size: int, batches: int) -> int:
     """Batches the next window may hold so that one rank keeps about ``limit_bytes`` of outputs (at least 1).
 
     ``gathered`` is the previous window's result (the same on every rank) and ``batches`` the number of batches
@@ -134,13 +139,6 @@ def _layout(outputs: Mapping[str, Any]) -> dict[str, Any]:
         name: (value.dtype, value.device, tuple(value.shape[1:])) if isinstance(value, torch.Tensor) else type(value)
         for name, value in outputs.items()
     }
-
-
-def sample_rows(value: Any) -> int | None:
-    """Samples along dim 0 of an output: a tensor's rows, a list's or tuple's length (None for a 0-d tensor or other)."""
-    if isinstance(value, torch.Tensor):
-        return int(value.shape[0]) if value.ndim else None
-    return len(value) if isinstance(value, (list, tuple)) else None
 
 
 def concat_samples(parts: list[Any]) -> Any:
@@ -168,10 +166,7 @@ def _split(value: Any, sizes: list[int]) -> list[Any]:
     bounds = [0]
     for size in sizes:
         bounds.append(bounds[-1] + size)
-    return [value[start:end] for start, end in zip(bounds, bounds[1:])]
+    return [value[start:end] for start, end in itertools.pairwise(bounds)]
 
 
-__all__ = [
-    "BatchWindow", "split_by_batch", "batches_per_window", "batches_for_budget", "row_bytes", "sample_rows",
-    "concat_samples",
-]
+__all__ = ["BatchWindow", "batches_for_budget", "batches_per_window", "concat_samples", "row_bytes", "split_by_batch"]

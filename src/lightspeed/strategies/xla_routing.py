@@ -13,14 +13,23 @@ Every other accelerator goes through Lightning's code unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.plugins.precision.xla import XLAPrecision as LightningXLAPrecision
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+from lightspeed.core import xla_runtime
+from lightspeed.plugins.accelerators.xla import XLAAccelerator
+from lightspeed.plugins.precision.xla import XLAPrecision
+from lightspeed.strategies.xla import SingleDeviceXLAExactStrategy, XLAExactStrategy
+
+__all__ = ["install_xla_routing"]
 
 _MARK = "_lightspeed_xla_routing"
 
 
 def _uses_lightspeed_xla(connector: Any) -> bool:
-    from lightspeed.plugins.accelerators.xla import XLAAccelerator
-
     return isinstance(getattr(connector, "accelerator", None), XLAAccelerator)
 
 
@@ -28,8 +37,6 @@ def _wrap_choose_strategy(original: Callable[[Any], Any]) -> Callable[[Any], Any
     def _choose_strategy(self: Any) -> Any:
         if not _uses_lightspeed_xla(self):
             return original(self)
-        from lightspeed.strategies.xla import SingleDeviceXLAExactStrategy, XLAExactStrategy
-
         if len(self._parallel_devices) > 1:
             return XLAExactStrategy.strategy_name
         return SingleDeviceXLAExactStrategy(device=self._parallel_devices[0])
@@ -40,11 +47,6 @@ def _wrap_choose_strategy(original: Callable[[Any], Any]) -> Callable[[Any], Any
 
 def resolve_xla_precision(precision_flag: str, plugin: Any, device_type: str | None) -> Any:
     """The precision plugin for an XLA run: ``plugin`` if given, else ``XLAPrecision(precision_flag)``; checked."""
-    from lightning.pytorch.plugins.precision.xla import XLAPrecision as LightningXLAPrecision
-
-    from lightspeed.plugins.accelerators.xla import check_bf16_supported, device_supports_bf16
-    from lightspeed.plugins.precision.xla import XLAPrecision
-
     if plugin is None:
         plugin = XLAPrecision(precision_flag)
     elif not isinstance(plugin, LightningXLAPrecision):
@@ -52,13 +54,11 @@ def resolve_xla_precision(precision_flag: str, plugin: Any, device_type: str | N
             f"accelerator='xla' needs an XLA precision plugin, got {type(plugin).__name__}. Pass"
             " `plugins=[lightspeed.plugins.XLAPrecision(mode)]` or `precision=...` instead."
         )
-    check_bf16_supported(str(plugin.precision), device_type, device_supports_bf16(device_type))
+    xla_runtime.check_bf16_supported(str(plugin.precision), device_type, xla_runtime.device_supports_bf16(device_type))
     return plugin
 
 
 def _uses_lightspeed_xla_strategy(connector: Any) -> bool:
-    from lightspeed.strategies.xla import SingleDeviceXLAExactStrategy, XLAExactStrategy
-
     return isinstance(getattr(connector, "strategy", None), (XLAExactStrategy, SingleDeviceXLAExactStrategy))
 
 
@@ -81,8 +81,6 @@ def _wrap_check_and_init_precision(original: Callable[[Any], Any]) -> Callable[[
 
 def install_xla_routing() -> None:
     """Wrap the two connector steps (idempotent; other accelerators are unaffected)."""
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
-
     for name, wrap in (
         ("_choose_strategy", _wrap_choose_strategy),
         ("_check_and_init_precision", _wrap_check_and_init_precision),

@@ -1,0 +1,49 @@
+"""The options of an export, in one frozen object validated when it is built.
+
+``lightspeed.export.export_checkpoint``, the ``ZeroExport`` callback and ``lightspeed export`` each turn what the
+user gave into one :class:`ExportOptions`; the exporters below them take that object, so an option is declared,
+defaulted and checked in one place, and a typo fails before any file is read or any training step runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lightspeed.core.checkpoint.plan import resolve_dtype
+from lightspeed.core.checkpoint.safetensors_writer import parse_shard_size
+
+__all__ = ["ExportOptions"]
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What to export and how to write it (validated at construction: a bad dtype or shard size raises
+    :class:`~lightspeed.core.checkpoint.errors.ExportError`).
+
+    Attributes:
+        dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (or the torch dtype) for floating tensors; integer buffers keep
+            their dtype.
+        max_shard_size: largest shard (``"2GB"``, ``"500MiB"``, bytes); None writes one file.
+        tag: checkpoint tag to export (default: the one in ``latest``); DeepSpeed checkpoint directories only.
+        exclude_frozen: leave out parameters with ``requires_grad=False``.
+        strip_prefix: export only keys under this prefix, without it (e.g. ``"model."``).
+        overwrite: replace a non-empty output directory.
+        torch_dtype: ``dtype`` resolved to a torch dtype (derived).
+        max_shard_bytes: ``max_shard_size`` in bytes, None for one file (derived).
+    """
+
+    dtype: str | torch.dtype = "fp32"
+    max_shard_size: int | str | None = "5GB"
+    tag: str | None = None
+    exclude_frozen: bool = False
+    strip_prefix: str | None = None
+    overwrite: bool = False
+    torch_dtype: torch.dtype = field(init=False, repr=False, compare=False)
+    max_shard_bytes: int | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # frozen: the derived fields are set once, here, through object.__setattr__
+        object.__setattr__(self, "torch_dtype", resolve_dtype(self.dtype))
+        object.__setattr__(self, "max_shard_bytes", parse_shard_size(self.max_shard_size))

@@ -1,0 +1,32 @@
+"""``count_samples``: how many samples a batch holds, the weight of a mean-loss micro-batch in exact accumulation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightspeed.core.batch import count_samples
+
+
+@dataclasses.dataclass
+class _Batch:
+    name: str
+    tokens: torch.Tensor
+
+
+@pytest.mark.parametrize(
+    ("batch", "expected"),
+    [
+        (torch.zeros(5, 2), 5),
+        ({"ids": torch.zeros(3, 7), "mask": torch.zeros(3, 7)}, 3),
+        (("text", [torch.zeros(4)]), 4),
+        (_Batch("x", torch.zeros(6, 2)), 6),
+        (torch.tensor(1.0), None),
+        (["a", 3], 2),  # a list of plain objects: one sample each
+        ({"meta": "x"}, None),  # nothing with a sample dimension
+    ],
+)
+def test_count_samples_reads_the_first_batch_dimension(batch, expected):
+    assert count_samples(batch) == expected

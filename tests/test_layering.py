@@ -1,0 +1,136 @@
+"""The package's layering, read from the import statements of every module under ``src/lightspeed``:
+
+* ``core/`` knows nothing of Lightning and never imports the package root or a Lightning layer;
+* ``plugins/`` never imports strategies, callbacks or the CLI; ``strategies/`` never imports callbacks or the CLI;
+* the module-level imports form no cycle;
+* no module outside ``tests/`` is named like a test file.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lightspeed"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(path: Path, top_level_only: bool) -> list[tuple[int, str]]:
+    """(line, imported module) for every import in ``path``; ``from X import y`` counts as ``X.y`` when that is a
+    module of the package, else as ``X``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: list[tuple[int, str]] = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.append((node.lineno, candidate if candidate in MODULES else node.module))
+    return found
+
+
+def test_every_module_is_found() -> None:
+    assert "lightspeed.core.deepspeed_config.zero_recipe" in MODULES and "lightspeed.registry" in MODULES
+
+
+@pytest.mark.parametrize("module", sorted(name for name in MODULES if name.startswith("lightspeed.core")))
+def test_core_imports_neither_lightning_nor_the_lightning_layers(module: str) -> None:
+    forbidden = (
+        "lightning",
+        "pytorch_lightning",
+        "lightspeed.strategies",
+        "lightspeed.plugins",
+        "lightspeed.callbacks",
+        "lightspeed.cli",
+        "lightspeed.registry",
+        "lightspeed.export",
+    )
+    offending = [
+        f"line {line}: {name}"
+        for line, name in _imports(MODULES[module], top_level_only=False)
+        if name == "lightspeed" or any(name == f or name.startswith(f + ".") for f in forbidden)
+    ]
+    assert not offending, f"{module} imports {offending}"
+
+
+@pytest.mark.parametrize(
+    ("layer", "forbidden"),
+    [
+        (
+            "lightspeed.plugins",
+            ("lightspeed.strategies", "lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry"),
+        ),
+        ("lightspeed.strategies", ("lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry")),
+    ],
+)
+def test_lower_layers_do_not_import_higher_ones(layer: str, forbidden: tuple[str, ...]) -> None:
+    offending = [
+        f"{module} line {line}: {name}"
+        for module, path in MODULES.items()
+        if module.startswith(layer)
+        for line, name in _imports(path, top_level_only=False)
+        if any(name == f or name.startswith(f + ".") for f in forbidden)
+    ]
+    assert not offending
+
+
+def _owning_module(name: str) -> str | None:
+    """The package module an import loads (``lightspeed.a.b`` for ``lightspeed.a.b.Thing``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_module_level_imports_have_no_cycle() -> None:
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        targets = {_owning_module(name) for _, name in _imports(path, top_level_only=True)}
+        graph[module] = {t for t in targets if t and t != module}
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_outside_tests_is_named_like_a_test() -> None:
+    assert [str(p) for p in PACKAGE.rglob("test_*.py")] == []
