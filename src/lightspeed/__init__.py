@@ -11,7 +11,14 @@ Public: the subpackages ``strategies``, ``plugins``, ``callbacks`` and ``export`
 
 from lightspeed import callbacks, export, plugins, strategies
 from lightspeed._version import __version__
-from lightspeed.core.gather import GatherError, gather_for_metrics, gather_object, pad_across_processes
+from lightspeed.core.gather import (
+    GatherError,
+    gather_for_metrics,
+    gather_object,
+    pad_across_processes,
+    shard_iterable,
+    track,
+)
 from lightspeed.registry import register_all
 
 register_all()
@@ -25,5 +32,7 @@ __all__ = [
     "gather_object",
     "pad_across_processes",
     "plugins",
+    "shard_iterable",
     "strategies",
+    "track",
 ]

@@ -21,14 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 import torchmetrics
+from torch.utils.data import DistributedSampler
 
 from _support.launch import run_python
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "scripts"))
 sys.path.insert(0, str(SCRIPTS))
-from gather_data import NUM_CLASSES, LengthIterable, ShardedIterable, reference  # noqa: E402
+from gather_data import NUM_CLASSES, LengthIterable, MapData, ShardedIterable, reference  # noqa: E402
 from gather_lightning import MODES, TEST, VAL  # noqa: E402
+from gather_scenarios import SHUFFLE_SEED  # noqa: E402
 
 # (strategy, ranks); LIGHTSPEED_GATHER_TEST_RUNS="zero1:2,zero2_offload:3" runs others (each launch ~20-60 s here)
 RUNS = [
@@ -193,3 +195,30 @@ def test_outputs_ragged_across_ranks_name_the_window_and_the_fix_on_every_rank(r
         assert message.endswith(
             "pad them in the step with lightspeed.pad_across_processes(tensor, dim=1, pad_index=...)."
         )
+
+
+def test_validation_over_a_batch_sampler_holding_a_distributed_sampler_logs_the_single_process_metric(run):
+    """Issue #12: DataLoader(batch_size=None, sampler=BatchSampler(DistributedSampler(shuffle=True), 4)), 22 samples."""
+    world, ranks = run
+    expected = metrics_on(list(range(22)), 22)
+    perm = list(DistributedSampler(MapData(22), num_replicas=1, rank=0, shuffle=True, seed=SHUFFLE_SEED))
+    checksum = float(sum((p + 1) * i for p, i in enumerate(perm)))
+    assert checksum != float(sum((p + 1) * i for p, i in enumerate(sorted(perm))))  # the order is really checked
+    for result in ranks:
+        logged = result["issue12"]["nested_sampler"]
+        assert logged["val/acc"].item() == expected["acc"]
+        assert logged["val/count"].item() == 22.0  # not 24 (3 ranks pad to 24), not rank-by-rank
+        assert logged["order/checksum"].item() == checksum  # the sampler's global order
+
+
+def test_validation_over_an_unsharded_stream_raises_on_every_rank(run):
+    world, ranks = run
+    expected = (
+        f"GatherError: gather_for_metrics: validate dataloader 0 is not sharded across ranks: all {world} ranks got "
+        f"the same first batch, so every rank iterates the whole dataset and the gathered result would hold each "
+        f"sample {world} times. An IterableDataset must yield a different shard on each rank: wrap it with "
+        "lightspeed.shard_iterable(dataset) (round-robin over ranks and DataLoader workers; give it a __len__ or "
+        "length= with the total so the padding is dropped exactly), or split it by rank yourself (e.g. "
+        "datasets.distributed.split_dataset_by_node)."
+    )
+    assert [result["issue12"]["unsharded"] for result in ranks] == [expected] * world

@@ -30,3 +30,8 @@ class _Batch:
 )
 def test_count_samples_reads_the_first_batch_dimension(batch, expected):
     assert count_samples(batch) == expected
+
+
+def test_a_nested_tensor_counts_its_components():
+    ragged = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(5), torch.zeros(1)])
+    assert count_samples({"tokens": ragged}) == 3

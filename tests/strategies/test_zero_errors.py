@@ -119,10 +119,15 @@ def test_two_optimizers(setup_errors) -> None:
     )
 
 
-def test_offloaded_optimizer_without_cpu_implementation(setup_errors) -> None:
-    assert setup_errors["sgd_offload"].startswith(
-        "UnsupportedOffloadOptimizerError: Optimizer offload runs the optimizer on the CPU, and `SGD` has no DeepSpeed "
-        "CPU implementation."
+def test_offloaded_optimizer_without_cpu_implementation_runs_as_it_is(setup_errors) -> None:
+    assert setup_errors["sgd_offload"] == "no error"
+
+
+def test_offloaded_optimizer_that_cannot_run_on_partitions_is_named(setup_errors) -> None:
+    assert setup_errors["sparse_adam_offload"] == (
+        "UnsupportedOffloadOptimizerError: Optimizer offload cannot run `SparseAdam`: `SparseAdam` needs sparse "
+        "gradients, but ZeRO reduces and offloads dense gradient partitions. Use `torch.optim.Adam`/`AdamW` (run as "
+        "DeepSpeed's CPU Adam) or a strategy without optimizer offload."
     )
 
 

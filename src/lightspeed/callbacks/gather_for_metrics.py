@@ -45,7 +45,7 @@ from torchmetrics import Metric, MetricCollection
 from typing_extensions import override
 
 from lightspeed.core.distributed import is_distributed
-from lightspeed.core.gather.accounting import GatherState, batch_size_of, current_state, set_current_state
+from lightspeed.core.gather.accounting import GatherState, current_state, set_current_state
 from lightspeed.core.gather.api import end_of_dataloader
 from lightspeed.core.gather.collective import CallSiteMismatch, GatherError
 from lightspeed.core.gather.tree import as_leaf
@@ -236,10 +236,12 @@ class GatherForMetrics(Callback):
             state = GatherState.from_dataloader(loader, name=f"{stage} dataloader {dataloader_idx}")
             states[dataloader_idx] = state
             batch_size = getattr(loader, "batch_size", None)
+            if batch_size is None and state.item_sizes is not None:  # a BatchSampler given as sampler=
+                batch_size = state.item_sizes[0]
             self._loader_batch_sizes[(stage, dataloader_idx)] = (
                 batch_size if isinstance(batch_size, int) and batch_size > 0 else None
             )
-        state.begin_batch(batch_size_of(batch))
+        state.begin_item(batch)
         set_current_state(state)
 
     def _batch_end(self, pl_module: LightningModule, stage: str, outputs: Any, dataloader_idx: int) -> None:
@@ -457,6 +459,8 @@ def _disable_sync(metric: Metric | MetricCollection) -> None:
 
 
 def _kind_of(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        return "a nested tensor (convert it with .to_padded_tensor(pad_value))"
     if isinstance(value, torch.Tensor):
         return "a 0-d tensor"
     return f"a {type(value).__name__}"

@@ -21,6 +21,8 @@ def count_samples(batch: Any) -> int | None:
     mapping of those).
     """
     if isinstance(batch, torch.Tensor):
+        if batch.is_nested:  # a nested tensor has no shape, but its components are its samples
+            return int(batch.size(0))
         return int(batch.shape[0]) if batch.ndim > 0 else None
     if isinstance(batch, Mapping):
         children: Iterable[Any] = batch.values()

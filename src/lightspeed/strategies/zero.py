@@ -5,9 +5,14 @@ Built on Lightning's ``DeepSpeedStrategy`` (launchers, engine wiring, checkpoint
 * runs on ``accelerator="cpu"`` too (DeepSpeed's CPU accelerator over gloo), choosing DeepSpeed's accelerator itself;
 * the DeepSpeed config comes from a named preset plus the user's ``config=``, validated for unknown keys and with
   every ``"auto"`` resolved from the Trainer and the model (see :mod:`lightspeed.core.deepspeed_config`);
-* ``torch.optim.Adam``/``AdamW`` become DeepSpeed's CPU Adam when the optimizer is offloaded;
+* ``torch.optim.Adam``/``AdamW`` become DeepSpeed's CPU Adam (``Adagrad``: CPU Adagrad) when the optimizer is
+  offloaded; any other torch optimizer runs as it is on the offloaded weights;
 * evaluation after ``fit`` reuses the training engine instead of building a second one;
-* checkpoints are written to a staging directory and committed only after every rank finished.
+* evaluation from a checkpoint (``validate/test/predict(ckpt_path=...)``) in a fresh process loads the weights of
+  any stage and world size into the (partitioned) inference model itself, tensor by tensor;
+* checkpoints are written to a staging directory and committed only after every rank finished;
+* the process group lightspeed created is destroyed when nothing needs it any more (at the latest at exit), and
+  known third-party deprecation floods are filtered while the strategy runs.
 """
 
 from __future__ import annotations
@@ -25,12 +30,20 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
 from lightspeed.core import atomic_dir
-from lightspeed.core.cpu_optimizer import describe_conversion, retarget_lr_scheduler, to_deepspeed_cpu_adam
+from lightspeed.core.checkpoint.errors import CheckpointError
+from lightspeed.core.cpu_optimizer import (
+    describe_conversion,
+    describe_unfused,
+    is_deepspeed_cpu_optimizer,
+    retarget_lr_scheduler,
+    to_deepspeed_cpu_optimizer,
+)
 from lightspeed.core.deepspeed_config import (
     DeepSpeedConfigError,
     ZeroTuning,
@@ -48,6 +61,8 @@ from lightspeed.core.deepspeed_runtime import (
     use_deepspeed_accelerator,
 )
 from lightspeed.core.distributed import raise_on_every_rank
+from lightspeed.core.zero_weights import load_zero_weights, read_client_state, read_structure
+from lightspeed.strategies import _process_group, _third_party_warnings
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationMixin
 
@@ -147,6 +162,7 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         self._train_engine: deepspeed.DeepSpeedEngine | None = None
         self._config_logged = False
         self._swept_staging = False
+        self._failed = False  # set by on_exception, read by teardown
 
     # ------------------------------------------------------------------ properties
     def _module(self) -> pl.LightningModule:
@@ -212,6 +228,7 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
     # ------------------------------------------------------------------ process setup
     @override
     def setup_environment(self) -> None:
+        _third_party_warnings.install()
         kind = self._device_kind()
         use_deepspeed_accelerator(kind)
         if self.uses_nvme:
@@ -227,13 +244,16 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
 
     @override
     def setup_distributed(self) -> None:
+        existed = _process_group.group_is_initialized()
         if self._device_kind() == "cuda":
             super().setup_distributed()
-            return
-        # CPU devices carry no index, so Lightning's CUDA index check does not apply.
-        reset_seed()
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        else:
+            # CPU devices carry no index, so Lightning's CUDA index check does not apply.
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+        if not existed and _process_group.group_is_initialized():
+            _process_group.take_ownership()
 
     # ------------------------------------------------------------------ config resolution
     @override
@@ -271,12 +291,17 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         optimizer = optimizers[0]
         scheduler = schedulers[0] if schedulers else None
         if self.offloads_optimizer:
-            converted = to_deepspeed_cpu_adam(optimizer)
+            converted = to_deepspeed_cpu_optimizer(optimizer)
             if converted is not optimizer:
                 rank_zero_info(describe_conversion(optimizer, converted))
                 if scheduler is not None:
                     retarget_lr_scheduler(scheduler.scheduler, converted)
                 optimizer = converted
+            elif not is_deepspeed_cpu_optimizer(optimizer):
+                rank_zero_info(describe_unfused(optimizer))
+            if type(optimizer).__name__ not in ("DeepSpeedCPUAdam", "DeepSpeedCPULion"):
+                # DeepSpeed refuses any other optimizer under offload unless told that it may run it on the CPU
+                self.config.setdefault("zero_force_ds_cpu_optimizer", False)
         return optimizer, scheduler
 
     @override
@@ -335,7 +360,23 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         self.model = engine
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
+    @override
     def teardown(self) -> None:
+        failed, self._failed = self._failed, False
+        if failed:
+            self._train_engine = None  # the engine of a failed run is not reused for evaluation
+        try:
+            self._teardown_lightning()
+        finally:
+            _third_party_warnings.uninstall()
+            if failed or not self._process_group_still_needed():
+                _process_group.destroy_owned_group()
+
+    def _teardown_lightning(self) -> None:
         if self._train_engine is None or self._device_kind() == "cpu":
             super().teardown()
             return
@@ -346,6 +387,15 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+    def _process_group_still_needed(self) -> bool:
+        """Whether something this strategy keeps is bound to the process group: the training engine (reused for
+        evaluation after ``fit``) or ZeRO-3 partitioned parameters of the module (a later ``validate``/``test`` on
+        the same module gathers them over that group). Otherwise the group is destroyed at teardown; else at exit."""
+        if self._train_engine is not None:
+            return True
+        module = self.lightning_module
+        return module is not None and any(hasattr(p, "ds_id") for p in module.parameters())
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -417,7 +467,33 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
                 f"Checkpoint {str(path)!r} was not written by lightspeed (no completion marker); loading it as a "
                 "plain DeepSpeed checkpoint."
             )
+        fitting = self._module().trainer.state.fn == TrainerFn.FITTING
+        if not fitting and not (self.load_full_weights and self.zero_stage_3):
+            return self._load_weights_for_evaluation(path)
         return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def _load_weights_for_evaluation(self, path: Path) -> dict[str, Any]:
+        """validate/test/predict from a ZeRO checkpoint: its weights, read from the rank files of any stage and world
+        size, go straight into the (possibly partitioned) model, tensor by tensor; returns Lightning's client state.
+
+        DeepSpeed's inference engine has no ZeRO optimizer to restore shards into, so its ``load_checkpoint`` cannot
+        be used; every rank reads the checkpoint's layout, so a missing rank file is an error on every rank.
+        """
+        what = f"Loading checkpoint {str(path)!r}"
+        error: CheckpointError | None = None
+        try:
+            structure = read_structure(path)
+            client_state = read_client_state(structure)
+        except CheckpointError as err:
+            error = err
+        raise_on_every_rank(error, what, error_type=CheckpointError)
+        module = self._module()
+        try:
+            load_zero_weights(module, structure, rank=self.global_rank, strict=module.strict_loading)
+        except CheckpointError as err:
+            error = err
+        raise_on_every_rank(error, what, error_type=CheckpointError)
+        return client_state
 
 
 def _one_optimizer_error(returned: str) -> DeepSpeedConfigError:

@@ -17,15 +17,17 @@ import sys
 import warnings
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torchmetrics
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core" / "scripts"))
 import lightning as L  # noqa: E402
 from gather_data import NUM_CLASSES, LengthIterable, MapData, ShardedIterable, model  # noqa: E402
+from gather_scenarios import SHUFFLE_SEED, BatchableData, WholeStreamWithLen  # noqa: E402
 
 import lightspeed  # noqa: E402
 from lightspeed.callbacks import GatherForMetrics  # noqa: E402
@@ -169,7 +171,7 @@ class Rank1Differs(L.LightningModule):
         return self.outputs(self.net(x).argmax(-1), y, self.global_rank)
 
 
-def validation_error(world: int, callback: GatherForMetrics, module: L.LightningModule, n: int) -> str | None:
+def validation_error(world: int, callback: GatherForMetrics, module: L.LightningModule, n: int | None) -> str | None:
     """The error this rank got from validating ``module`` over ``n`` samples (every rank must get one, none hang)."""
     trainer = L.Trainer(
         accelerator="cpu",
@@ -182,7 +184,8 @@ def validation_error(world: int, callback: GatherForMetrics, module: L.Lightning
         enable_model_summary=False,
     )
     try:
-        trainer.validate(module, dataloaders=DataLoader(MapData(n), batch_size=2), verbose=False)
+        loaders = DataLoader(MapData(n), batch_size=2) if n is not None else None  # None: the module's own
+        trainer.validate(module, dataloaders=loaders, verbose=False)
     except Exception as err:  # noqa: BLE001 - the message is the result
         return f"{type(err).__name__}: {err}"
     return None
@@ -212,6 +215,62 @@ def ragged_errors(world: int) -> str | None:
         {"n": lambda preds, target: torch.tensor(float(len(preds)))}, buffer_limit=64
     )  # 2 batches of 1 column
     return validation_error(world, callback, module, 4 * world)
+
+
+class OwnLoader(Rank1Differs):
+    """Validates over the dataloader ``make()`` builds once the process group exists (so it can hold a sampler)."""
+
+    def __init__(self, make) -> None:
+        super().__init__(lambda p, y, rank: {"preds": p, "target": y})
+        self.make = make
+
+    def validation_step(self, batch, batch_idx):
+        x, y, idx = batch
+        return {"preds": self.net(x).argmax(-1), "target": y, "idx": idx}
+
+    def val_dataloader(self):
+        return self.make()
+
+
+def order_checksum(idx: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    """sum over positions p of (p + 1) * idx[p]: equal for two orders of 0..n-1 only if they are the same here."""
+    return (idx.double() * torch.arange(1, len(idx) + 1, dtype=torch.float64)).sum()
+
+
+def nested_sampler_loader() -> DataLoader:
+    """22 samples, a shuffled DistributedSampler inside a BatchSampler given as ``sampler=`` (batch_size=None)."""
+    data = BatchableData(22)
+    sampler = BatchSampler(DistributedSampler(data, shuffle=True, seed=SHUFFLE_SEED), batch_size=4, drop_last=False)
+    return DataLoader(data, batch_size=None, sampler=sampler)
+
+
+def issue12_runs(world: int) -> dict[str, Any]:
+    """Issue #12 through the callback: the metric over a nested batch sampler, and an unsharded stream's error."""
+    metrics = {
+        "acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro"),
+        "count": lambda preds, target: torch.tensor(float(len(preds)), dtype=torch.float64),
+    }
+    callback = GatherForMetrics(metrics)
+    order = GatherForMetrics({"checksum": order_checksum}, preds_key="idx", target_key="idx", val_prefix="order/")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        callbacks=[callback, order],
+        use_distributed_sampler=False,  # the loader brings its own DistributedSampler
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.validate(OwnLoader(nested_sampler_loader), verbose=False)
+    unsharded = validation_error(
+        world,
+        GatherForMetrics({"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")}),
+        OwnLoader(lambda: DataLoader(WholeStreamWithLen(30), batch_size=4)),
+        None,
+    )
+    return {"nested_sampler": {**callback.results["validate"], **order.results["validate"]}, "unsharded": unsharded}
 
 
 def main() -> None:
@@ -279,6 +338,7 @@ def main() -> None:
             "sync_dist_hints": hints,
             "wrong_keys": wrong_keys_errors(world),
             "ragged": ragged_errors(world),
+            "issue12": issue12_runs(world),
         },
         out_dir / f"rank{trainer.global_rank}.pt",
     )

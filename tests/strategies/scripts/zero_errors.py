@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401
@@ -32,11 +33,17 @@ def attempt(strategy, module, **trainer_kwargs) -> str:
     return "no error"
 
 
+class SparseAdamModule(RegressionModule):
+    def configure_optimizers(self):
+        return torch.optim.SparseAdam(self.parameters(), lr=1e-3)
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     results = {
         "two_optimizers": attempt("zero2", RegressionModule(optimizer="two")),
         "sgd_offload": attempt("zero2_offload", RegressionModule(optimizer="sgd")),
+        "sparse_adam_offload": attempt("zero2_offload", SparseAdamModule()),
         "mismatch": attempt(
             ZeroStrategy(stage=2, config={"gradient_accumulation_steps": 8, "gradient_clipping": 0.5}),
             RegressionModule(),

@@ -24,6 +24,22 @@ The rules (what counts as real, and in which order gathered samples come back):
   ``Subset``): every sample is real and taken as that rank's shard. If every rank iterates the whole dataset,
   the gathered result holds ``world_size`` copies; that is the data the ranks produced.
 
+**Where the DistributedSampler is found** (:func:`find_distributed_sampler`): anywhere in the chain of samplers and
+batch samplers the dataloader draws from, through the attributes ``sampler``, ``batch_sampler``,
+``_batch_sampler``, ``base_sampler`` and ``_sampler`` (torch's ``BatchSampler``, Lightning's index wrappers,
+Accelerate-style ``BatchSamplerShard`` / ``SkipBatchSampler`` wrappers, a user's own batch sampler), e.g.
+``DataLoader(ds, batch_size=None, sampler=BatchSampler(DistributedSampler(ds), 4, False))``. When the loader's
+items are made by a torch ``BatchSampler`` directly over that sampler (the loader's own batching, or a
+``BatchSampler`` given as ``sampler=`` with ``batch_size=None``), the size of every item is known from it
+(:meth:`GatherState.item_size`) and used instead of counting the samples in the batch.
+
+**Replicated streams**: a dataloader without a DistributedSampler (an IterableDataset, or a map-style dataset
+without a sampler) on several ranks must hold a different shard on each. Its first batch's content is
+fingerprinted (:func:`batch_fingerprint`: the bytes of its first rows, or 0 when those rows are all identical or
+fewer than two) and the fingerprint rides in the first collective of the epoch; when every rank's fingerprint is
+the same and non-zero, every rank yields the same data and a :class:`GatherError` says so on every rank
+(:func:`lightspeed.shard_iterable` shards a stream; a dataset it wrapped is not checked).
+
 Per-batch gathers use the position of the current batch (``begin_batch`` is called once per batch, however many
 gathers the batch makes); a gather of everything a rank produced in the epoch (rows equal to the samples seen so
 far) starts at position 0.
@@ -34,13 +50,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Iterable, Iterator
+import weakref
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler, IterableDataset
+from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset
 
 from lightspeed.core.batch import count_samples
 
@@ -71,6 +89,17 @@ class GatherState:
     from_iterable_len: bool = field(default=False, repr=False)
     drop_last_batches: bool = field(default=False, repr=False)
     real_total: int | None = None  # real samples over all ranks, set by end_of_dataloader
+    #: (batch size, samples of this rank, drop_last) of the torch BatchSampler that makes the loader's items, if any
+    item_sizes: tuple[int, int, bool] | None = field(default=None, repr=False)
+    #: rows of gathered data must be the current batch or everything so far (a state read from a dataloader)
+    strict_rows: bool = field(default=False, repr=False)
+    #: fingerprint the first batch to detect a stream that every rank iterates whole (no DistributedSampler)
+    check_replicated: bool = field(default=False, repr=False)
+    dataset_kind: str = field(default="", repr=False)
+    fingerprint: int = field(default=0, repr=False)  # of this epoch's first batch (0: none or trivial)
+    fingerprint_sent: bool = field(default=False, repr=False)
+    #: a problem found locally outside a collective (e.g. by ``track``); raised on every rank at the next gather
+    problem: str | None = field(default=None, repr=False)
 
     # construction ---------------------------------------------------------------------------------------------
 
@@ -101,6 +130,10 @@ class GatherState:
         """Read the sampler and dataset of ``dataloader`` (see the module docstring for the rules)."""
         state = cls._from_dataloader(dataloader, rank, world_size, name)
         state.drop_last_batches = bool(getattr(dataloader, "drop_last", False))
+        state.item_sizes = _item_sizes(dataloader)
+        if state.item_sizes is not None:
+            state.drop_last_batches = state.item_sizes[2]
+        state.strict_rows = True
         return state
 
     @classmethod
@@ -126,14 +159,17 @@ class GatherState:
             )
             real_samples = len(range(sampler.rank, real_positions, world_size))
             return cls("strided", sampler.rank, world_size, real_samples, real_positions, source=source, name=name)
+        check = world_size > 1 and dataset is not None and not getattr(dataset, "lightspeed_sharded", False)
         if isinstance(dataset, IterableDataset):
             total = _len_or_none(dataset)
             if total is None:
                 source = f"{type(dataset).__name__} without __len__"
-                return cls("shards", rank, world_size, None, None, source=source, name=name)
-            source = f"{type(dataset).__name__}(len={total}), round-robin shards"
-            state = cls.strided(total, rank, world_size, source=source, name=name)
-            state.from_iterable_len = True
+                state = cls("shards", rank, world_size, None, None, source=source, name=name)
+            else:
+                source = f"{type(dataset).__name__}(len={total}), round-robin shards"
+                state = cls.strided(total, rank, world_size, source=source, name=name)
+                state.from_iterable_len = True
+            state.check_replicated, state.dataset_kind = check, "iterable"
             return state
         if world_size > 1 and dataset is not None:
             warn_once(
@@ -142,7 +178,9 @@ class GatherState:
                 "iterates the whole dataset, the gathered result holds world_size copies."
             )
         source = "map-style dataset without DistributedSampler"
-        return cls("shards", rank, world_size, None, None, source=source, name=name)
+        state = cls("shards", rank, world_size, None, None, source=source, name=name)
+        state.check_replicated, state.dataset_kind = check, "map"
+        return state
 
     # progress -------------------------------------------------------------------------------------------------
 
@@ -150,6 +188,57 @@ class GatherState:
         """Start a new epoch."""
         self.seen = self.batches = self.batch_start = self.max_batch_size = 0
         self.batch_size = self.real_total = None
+        self.fingerprint, self.fingerprint_sent, self.problem = 0, False, None
+
+    def item_size(self, batch: Any) -> int:
+        """Samples in the next item of the dataloader: from its torch BatchSampler when known (see the module
+        docstring), else counted in ``batch`` (:func:`batch_size_of`)."""
+        if self.item_sizes is not None:
+            batch_size, samples, drop_last = self.item_sizes
+            full, rest = divmod(samples, batch_size)
+            if self.batches < full:
+                return batch_size
+            if self.batches == full and rest and not drop_last:
+                return rest
+            return 0
+        return batch_size_of(batch)
+
+    def begin_item(self, batch: Any) -> None:
+        """Record that this rank now evaluates ``batch``, the next item of the dataloader the state was read from
+        (what ``track`` and the ``GatherForMetrics`` callback call once per batch): its size, and for the first
+        batch of a dataloader without a DistributedSampler, its fingerprint."""
+        if self.batches == 0 and self.check_replicated:
+            self.fingerprint = batch_fingerprint(batch)
+        self.begin_batch(self.item_size(batch))
+
+    def take_fingerprint(self) -> int:
+        """The first batch's fingerprint for this rank's first collective of the epoch (0 afterwards)."""
+        if self.fingerprint_sent:
+            return 0
+        self.fingerprint_sent = True
+        return self.fingerprint
+
+    def replicated_problem(self, fingerprints: list[int]) -> str | None:
+        """The error to raise on every rank when every rank's first batch is the same (see the module docstring)."""
+        if len(fingerprints) < 2 or fingerprints[0] == 0 or any(f != fingerprints[0] for f in fingerprints):
+            return None
+        if self.dataset_kind == "iterable":
+            fix = (
+                "An IterableDataset must yield a different shard on each rank: wrap it with "
+                "lightspeed.shard_iterable(dataset) (round-robin over ranks and DataLoader workers; give it a "
+                "__len__ or length= with the total so the padding is dropped exactly), or split it by rank yourself "
+                "(e.g. datasets.distributed.split_dataset_by_node)."
+            )
+        else:
+            fix = (
+                "Give the DataLoader a DistributedSampler (sampler=DistributedSampler(dataset)), or let Lightning "
+                "inject one (use_distributed_sampler=True)."
+            )
+        return (
+            f"{self.name} is not sharded across ranks: all {len(fingerprints)} ranks got the same first batch, so "
+            f"every rank iterates the whole dataset and the gathered result would hold each sample "
+            f"{len(fingerprints)} times. {fix}"
+        )
 
     def begin_batch(self, batch_size: int) -> None:
         """Record that this rank now evaluates a batch of ``batch_size`` samples (once per batch)."""
@@ -220,6 +309,35 @@ def set_current_state(state: GatherState | None) -> None:
     _CURRENT = state
 
 
+# dataloaders iterated with track(), for gather_for_metrics(..., dataloader=loader) --------------------------------
+
+_TRACKED: weakref.WeakKeyDictionary[Any, GatherState] = weakref.WeakKeyDictionary()
+_TRACKED_BY_ID: dict[int, tuple[Any, GatherState]] = {}  # iterables that take no weak reference (kept: at most 8)
+
+
+def register_dataloader(dataloader: Any, state: GatherState) -> None:
+    """Remember ``state`` as the accounting of ``dataloader`` (``track`` does, for each iteration of it)."""
+    try:
+        _TRACKED[dataloader] = state
+    except TypeError:
+        _TRACKED_BY_ID.pop(id(dataloader), None)
+        _TRACKED_BY_ID[id(dataloader)] = (dataloader, state)
+        while len(_TRACKED_BY_ID) > 8:
+            del _TRACKED_BY_ID[next(iter(_TRACKED_BY_ID))]
+
+
+def state_for_dataloader(dataloader: Any) -> GatherState | None:
+    """The state of the latest ``track`` of ``dataloader`` (None: it was never iterated with ``track``)."""
+    try:
+        found = _TRACKED.get(dataloader)
+    except TypeError:
+        found = None
+    if found is not None:
+        return found
+    entry = _TRACKED_BY_ID.get(id(dataloader))
+    return entry[1] if entry is not None and entry[0] is dataloader else None
+
+
 # helpers -------------------------------------------------------------------------------------------------------
 
 
@@ -235,18 +353,110 @@ def batch_size_of(batch: Any) -> int:
     return samples
 
 
+#: attributes through which samplers and batch samplers are found (in this order, breadth first)
+SAMPLER_ATTRIBUTES = ("sampler", "batch_sampler", "_batch_sampler", "base_sampler", "_sampler")
+_MAX_DEPTH = 8
+
+
 def find_distributed_sampler(dataloader: Any) -> DistributedSampler | None:
-    """The DistributedSampler a dataloader draws from (directly or inside its batch sampler), if any."""
-    batch_sampler = getattr(dataloader, "batch_sampler", None)
-    candidates = [
-        getattr(dataloader, "sampler", None),
-        getattr(batch_sampler, "sampler", None),
-        getattr(getattr(batch_sampler, "_batch_sampler", None), "sampler", None),
-    ]
-    for sampler in candidates:
-        if isinstance(sampler, DistributedSampler):
-            return sampler
+    """The DistributedSampler a dataloader draws from, if any: the nearest one found breadth first through any
+    nesting of samplers and batch samplers, following :data:`SAMPLER_ATTRIBUTES` (``sampler``, ``batch_sampler``,
+    ``_batch_sampler``, ``base_sampler``, ``_sampler``) from the dataloader.
+
+    A DistributedSampler that shards what another one yields (Lightning's ``DistributedSamplerWrapper`` around a
+    batch sampler that holds a DistributedSampler already: ``use_distributed_sampler=True`` over such a loader)
+    shards the data twice; that raises a ``ValueError``.
+    """
+    found = _walk_samplers(dataloader)
+    if found is None:
+        return None
+    inner = getattr(getattr(found, "dataset", None), "_sampler", None)  # Lightning's _DatasetSamplerWrapper
+    if inner is not None and _walk_samplers(inner, include_root=True) is not None:
+        raise ValueError(
+            f"the dataloader's {type(found).__name__} wraps a sampler that holds a DistributedSampler already, so "
+            "the data is sharded twice; in Lightning pass Trainer(use_distributed_sampler=False) when your "
+            "dataloader brings its own DistributedSampler."
+        )
+    return found
+
+
+def _walk_samplers(root: Any, include_root: bool = False) -> DistributedSampler | None:
+    level, visited = [root], {id(root)}
+    if include_root and isinstance(root, DistributedSampler):
+        return root
+    for _ in range(_MAX_DEPTH):
+        following = []
+        for obj in level:
+            for name in SAMPLER_ATTRIBUTES:
+                child = getattr(obj, name, None)
+                if child is None or id(child) in visited or isinstance(child, (int, float, str, bool)):
+                    continue
+                if isinstance(child, DistributedSampler):
+                    return child
+                visited.add(id(child))
+                following.append(child)
+        if not following:
+            return None
+        level = following
     return None
+
+
+def _item_sizes(dataloader: Any) -> tuple[int, int, bool] | None:
+    """(batch size, samples, drop_last) of the torch BatchSampler that makes the loader's items directly over a
+    DistributedSampler: the loader's own batch sampler, or a BatchSampler given as ``sampler=`` with
+    ``batch_size=None``. None otherwise (a custom batch sampler may yield any sizes)."""
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    if batch_sampler is None and getattr(dataloader, "batch_size", 0) is None:
+        batch_sampler = getattr(dataloader, "sampler", None)
+    if type(batch_sampler) is not BatchSampler or not isinstance(batch_sampler.sampler, DistributedSampler):
+        return None
+    size = batch_sampler.batch_size
+    if not isinstance(size, int) or size <= 0:
+        return None
+    return size, len(batch_sampler.sampler), bool(batch_sampler.drop_last)
+
+
+#: rows of the first batch that its fingerprint covers
+FINGERPRINT_ROWS = 16
+
+
+def batch_fingerprint(batch: Any) -> int:
+    """A checksum of the content of the first rows of ``batch`` (at most :data:`FINGERPRINT_ROWS`), or 0 when it
+    tells nothing: fewer than two rows, or the rows all equal (constant data may legitimately match across ranks).
+
+    Tensors count by their bytes, lists of per-sample objects by their ``repr``; other leaves are ignored.
+    """
+    crc, varied = 0, False
+    for value in _fingerprint_leaves(batch):
+        if isinstance(value, torch.Tensor):
+            if value.ndim == 0 or value.is_nested or value.shape[0] < 2:
+                continue
+            rows = value[:FINGERPRINT_ROWS].detach().cpu().contiguous()
+            varied = varied or not bool((rows == rows[:1]).all())
+            crc = zlib.crc32(rows.reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+        elif len(value) >= 2:
+            items = [repr(item) for item in value[:FINGERPRINT_ROWS]]
+            varied = varied or len(set(items)) > 1
+            crc = zlib.crc32("\x00".join(items).encode(), crc)
+    if not varied:
+        return 0
+    return (crc & 0x7FFFFFFF) or 1
+
+
+def _fingerprint_leaves(batch: Any, depth: int = 0) -> Iterator[Any]:
+    if depth > 16:
+        return
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _fingerprint_leaves(value, depth + 1)
+    elif isinstance(batch, (list, tuple)):
+        if any(isinstance(item, (torch.Tensor, Mapping, list, tuple)) for item in batch):
+            for value in batch:
+                yield from _fingerprint_leaves(value, depth + 1)
+        else:
+            yield batch
 
 
 @functools.lru_cache(maxsize=4)  # the leaves of one gather share their counts: one permutation for all of them
@@ -299,11 +509,16 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
 
 
 __all__ = [
+    "FINGERPRINT_ROWS",
+    "SAMPLER_ATTRIBUTES",
     "GatherState",
     "Layout",
+    "batch_fingerprint",
     "batch_size_of",
     "current_state",
     "find_distributed_sampler",
+    "state_for_dataloader",
+    "register_dataloader",
     "global_order",
     "set_current_state",
     "warn_once",

@@ -18,6 +18,12 @@ What comes back, per leaf:
 * list/tuple of non-tensors (e.g. strings): per-sample objects, de-duplicated and ordered like tensors.
 * any other object: gathered as a list with one entry per rank.
 
+Which dataloader: the current state (made current by the callback or by ``for batch in lightspeed.track(loader)``),
+``state=``, or ``dataloader=loader`` (the state of the latest ``track`` of that loader: for loops over several
+loaders at once). A state read from a dataloader requires the rows of every leaf to be the current batch (or
+everything so far, or ``first_sample=`` rows): data from another dataloader is an error on every rank, not a wrong
+number. A nested tensor (``torch.nested``) is an error naming its path, on every rank.
+
 Without a state (no callback, no ``track``) it falls back to a plain all-gather and warns once: duplicates cannot be
 dropped without knowing the sampler. On a single process (or without a process group) it returns ``data`` as is.
 """
@@ -35,24 +41,27 @@ import torch.distributed as dist
 from lightspeed.core.distributed import is_distributed
 from lightspeed.core.gather.accounting import (
     GatherState,
-    batch_size_of,
     current_state,
     global_order,
+    register_dataloader,
     set_current_state,
+    state_for_dataloader,
     warn_once,
 )
-from lightspeed.core.gather.collective import CallSite, GatherError, agree, comm_device, gather_site
-from lightspeed.core.gather.tree import Leaf, flatten
+from lightspeed.core.gather.collective import CallSite, GatherError, agree, comm_device, fail_gather, gather_site
+from lightspeed.core.gather.tree import Leaf, flatten, nested_problem
 from lightspeed.core.gather.wire import narrowest_code, pack, unpack, wire_dtype
 
 _NO_STATE_WARNING = (
     "lightspeed.gather_for_metrics found no evaluation state, so it gathers everything and cannot drop the "
     "duplicates a DistributedSampler adds: add the lightspeed.callbacks.GatherForMetrics callback to the "
-    "Trainer, or iterate with lightspeed.core.gather.track(dataloader) in a plain loop."
+    "Trainer, or iterate with lightspeed.track(dataloader) in a plain loop."
 )
 
 
-def gather_for_metrics(data: Any, state: GatherState | None = None, *, first_sample: int | None = None) -> Any:
+def gather_for_metrics(
+    data: Any, state: GatherState | None = None, *, first_sample: int | None = None, dataloader: Any = None
+) -> Any:
     """All-gather ``data`` from every rank, dropping the samples a distributed sampler added as padding.
 
     Collective: every rank must call it, the same number of times, with the same structure and dtypes; a
@@ -62,13 +71,30 @@ def gather_for_metrics(data: Any, state: GatherState | None = None, *, first_sam
     ``first_sample`` is this rank's position, among the samples it has produced this epoch, of row 0 of ``data``:
     give it to gather several consecutive batches at once (the ``GatherForMetrics`` callback does). Left out, row 0
     is the current batch's first sample when the rows match the batch, else the epoch's first sample.
+
+    ``dataloader`` names the dataloader ``data`` came from, iterated with :func:`track` (its latest iteration's
+    state is used); the rows must then be its current batch or everything so far, else every rank raises.
     """
     if not is_distributed():
         return data
-    state = state if state is not None else current_state()
-    if state is None:
-        warn_once(_NO_STATE_WARNING)
+    if state is not None and dataloader is not None:
+        raise TypeError("gather_for_metrics: pass state= or dataloader=, not both.")
+    problem = None
+    if dataloader is not None:
+        state = state_for_dataloader(dataloader)
+        if state is None:
+            problem = (
+                f"gather_for_metrics(dataloader=...) got a {type(dataloader).__name__} that is not being iterated "
+                "with lightspeed.track; loop over it as `for batch in lightspeed.track(loader):`."
+            )
+    else:
+        state = state if state is not None else current_state()
+        if state is None:
+            warn_once(_NO_STATE_WARNING)
     leaves, rebuild = flatten(data)
+    problem = problem or (state.problem if state is not None else None) or nested_problem("gather_for_metrics", leaves)
+    if problem is not None:
+        fail_gather(GatherError(problem), state)
     samples, problem = _locate_real_rows(leaves, state, first_sample)
     sent = _tensors_to_send(leaves, samples)
     per_rank, raw = _exchange(leaves, samples, sent, state, problem)
@@ -95,16 +121,22 @@ def gather_object(obj: Any) -> list[Any]:
 def track(dataloader: Iterable[Any], state: GatherState | None = None) -> Iterator[Any]:
     """Iterate ``dataloader`` in a plain PyTorch loop with its :class:`GatherState` current, for gathers inside.
 
-    ``for x, y in track(loader): gather_for_metrics(model(x))`` drops the sampler's duplicates without Lightning.
-    The state is read from the dataloader unless one is given. When the loop runs out, every rank checks that
-    the others ran the same number of batches (:func:`end_of_dataloader`); the state stays current afterwards, so
-    one gather of everything the loop produced also works.
+    ``for x, y in lightspeed.track(loader): gather_for_metrics(model(x))`` drops the sampler's duplicates without
+    Lightning. The state is read from the dataloader unless one is given, and is also found by
+    ``gather_for_metrics(..., dataloader=loader)``. When the loop runs out, every rank checks that the others ran the
+    same number of batches (:func:`end_of_dataloader`); the state stays current afterwards, so one gather of
+    everything the loop produced also works.
     """
     state = state if state is not None else GatherState.from_dataloader(dataloader)
     state.reset()
+    register_dataloader(dataloader, state)
     set_current_state(state)
     for batch in dataloader:
-        state.begin_batch(batch_size_of(batch))
+        try:
+            state.begin_item(batch)
+        except ValueError as err:  # raised on every rank at the next gather, not here alone
+            state.problem = state.problem or f"{state.name}: {err}"
+            state.begin_batch(0)
         set_current_state(state)
         yield batch
     end_of_dataloader(state)
@@ -127,12 +159,16 @@ def end_of_dataloader(state: GatherState, complete: bool = True) -> int:
         [state.describe()],
         (CallSite.END, state.batches),
         site_text,
-        payload=[state.seen, own_real],
+        state.problem,
+        payload=[state.seen, own_real, state.take_fingerprint()],
     )
-    real_total = sum(real for _, real in counts)
+    replicated = state.replicated_problem([fingerprint for _, _, fingerprint in counts])
+    if replicated is not None:
+        raise GatherError(f"gather_for_metrics: {replicated}")
+    real_total = sum(real for _, real, _ in counts)
     if complete and state.from_iterable_len and not state.drop_last_batches and state.total_samples is not None:
         if real_total != state.total_samples:
-            yielded = ", ".join(f"rank {r}: {seen}" for r, (seen, _) in enumerate(counts))
+            yielded = ", ".join(f"rank {r}: {seen}" for r, (seen, _, _) in enumerate(counts))
             raise GatherError(
                 f"{state.name}: len(dataset) is {state.total_samples}, but the ranks yielded {yielded} samples, of "
                 f"which {real_total} count as real under round-robin sharding. lightspeed reads len() of an "
@@ -215,12 +251,13 @@ def _unplaced_rows_problem(path: str, rows: int, state: GatherState, first_sampl
             f"produced {state.seen} samples of {state.name} so far; first_sample must be >= 0 and the rows "
             "must end within the samples produced."
         )
-    if state.layout == "strided":
+    if state.layout == "strided" or state.strict_rows:
         return (
             f"{path} has {rows} samples on dim 0, but the current batch of {state.name} has "
             f"{state.batch_size} and this rank has produced {state.seen} in total; gather_for_metrics drops "
             "padding along dim 0, so dim 0 must be the batch (a per-batch gather) or everything gathered so far "
-            "this epoch (one gather at the end). Move the sample dimension first."
+            "this epoch (one gather at the end). Move the sample dimension first, and gather data of the batch "
+            "that the tracked dataloader yielded (pass dataloader= when several are iterated)."
         )
     return None
 
@@ -253,9 +290,19 @@ def _exchange(
     site_text = f"gather_for_metrics in batch {site[1]} of {state.name}" if state is not None else "gather_for_metrics"
     signature = [leaf.describe() for leaf in leaves] + ([] if state is None else [state.describe()])
     wire = [tensor.to(wire_dtype(code, tensor.dtype)) for _, tensor, code in sent]
+    fingerprint = state.take_fingerprint() if state is not None else 0
     infos, raw = agree(
-        "gather_for_metrics", signature, site, site_text, problem, _header(located), data=pack(wire, comm_device())
+        "gather_for_metrics",
+        signature,
+        site,
+        site_text,
+        problem,
+        [*_header(located), fingerprint],
+        data=pack(wire, comm_device()),
     )
+    replicated = state.replicated_problem([info[-1] for info in infos]) if state is not None else None
+    if replicated is not None:  # every rank sees the same fingerprints: every rank raises
+        raise GatherError(f"gather_for_metrics: {replicated}")
     return _split_header(located, infos), raw
 
 

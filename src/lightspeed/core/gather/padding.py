@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lightspeed.core.distributed import is_distributed
 from lightspeed.core.gather.collective import CallSite, agree
-from lightspeed.core.gather.tree import flatten
+from lightspeed.core.gather.tree import flatten, nested_problem
 
 
 def pad_tensor(tensor: torch.Tensor, dim: int, size: int, pad_index: Any = 0, pad_first: bool = False) -> torch.Tensor:
@@ -33,13 +33,16 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: Any = 0, pad_first:
     ``data`` may be a tensor or a nested dict/list/tuple of tensors (other leaves come back unchanged, 0-d tensors
     too). ``pad_first=True`` pads at the start (left-padding, e.g. for decoder prompts). Collective: every rank must
     call it with the same structure and number of dimensions. On a single process it returns ``data`` unchanged.
+
+    A ``dim`` that a tensor does not have is an error (on every rank), as is a nested tensor (``torch.nested``):
+    convert it with ``.to_padded_tensor(...)`` first.
     """
     if not is_distributed():
         return data
     leaves, rebuild = flatten(data)
     tensors = [leaf for leaf in leaves if leaf.kind == "tensor"]
-    error = None
-    for leaf in tensors:
+    error = nested_problem("pad_across_processes", leaves)
+    for leaf in tensors if error is None else ():
         if not -leaf.value.ndim <= dim < leaf.value.ndim:
             error = f"dim={dim} is out of range for {leaf.path} with shape {list(leaf.value.shape)}; pass a dim it has."
             break

@@ -6,6 +6,8 @@ Leaf kinds:
 * ``scalar``: a 0-d tensor: one value per rank, not a sample.
 * ``objects``: a list or tuple with no tensor inside: one Python object per sample (e.g. strings).
 * ``object``: anything else (a number, a string, None): one object per rank.
+* ``nested``: a nested tensor (``torch.nested``): it has no regular shape, so the gathers reject it with
+  :func:`nested_problem` (on every rank, through the collective's error flag).
 
 A list or tuple that holds a tensor somewhere is a container and is walked into; dicts always are.
 """
@@ -20,7 +22,7 @@ import torch
 
 from lightspeed.core.batch import count_samples
 
-LeafKind = Literal["tensor", "scalar", "objects", "object"]
+LeafKind = Literal["tensor", "scalar", "objects", "object", "nested"]
 Rebuild = Callable[[list[Any]], Any]
 
 
@@ -47,6 +49,8 @@ class Leaf:
 
     def describe(self) -> str:
         """One line for cross-rank structure checks: path, kind, dtype, number of dims."""
+        if self.kind == "nested":
+            return f"{self.path}: nested tensor {str(self.value.dtype).replace('torch.', '')}"
         if self.kind in ("tensor", "scalar"):
             return f"{self.path}: tensor {str(self.value.dtype).replace('torch.', '')} with {self.value.ndim} dims"
         if self.kind == "objects":
@@ -61,10 +65,30 @@ def as_leaf(value: Any, path: str = "data") -> Leaf:
     their samples through it, so that it counts exactly as the gather does.
     """
     if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            return Leaf(path, "nested", value)
         return Leaf(path, "scalar" if value.ndim == 0 else "tensor", value)
     if isinstance(value, (list, tuple)):
         return Leaf(path, "objects", value)
     return Leaf(path, "object", value)
+
+
+def nested_problem(function: str, leaves: list[Leaf]) -> str | None:
+    """The error for the first nested tensor among ``leaves`` (None when there is none)."""
+    leaf = next((leaf for leaf in leaves if leaf.kind == "nested"), None)
+    if leaf is None:
+        return None
+    if function == "pad_across_processes":
+        fix = (
+            "convert it first with .to_padded_tensor(pad_value) (it pads within this rank), then pad the result "
+            "across ranks with pad_across_processes"
+        )
+    else:
+        fix = (
+            "convert it with .to_padded_tensor(pad_value) (then lightspeed.pad_across_processes(..., dim=1) if the "
+            "lengths differ across ranks), or pass per-sample Python lists: [t.tolist() for t in x.unbind()]"
+        )
+    return f"{function} got a nested tensor at {leaf.path}; nested tensors have no regular shape to gather: {fix}."
 
 
 def contains_tensor(data: Any) -> bool:
@@ -122,4 +146,4 @@ def _flatten_children(children: list[Any], paths: list[str]) -> tuple[list[Leaf]
     return leaves, rebuild_children
 
 
-__all__ = ["Leaf", "LeafKind", "Rebuild", "as_leaf", "contains_tensor", "flatten"]
+__all__ = ["Leaf", "LeafKind", "Rebuild", "as_leaf", "contains_tensor", "flatten", "nested_problem"]
