@@ -32,17 +32,30 @@ fi
 python -c "import lightspeed, deepspeed" || { echo "[setup] installation failed" >&2; exit 1; }
 
 echo "[setup] building DeepSpeed CPU ops into $TORCH_EXTENSIONS_DIR (cached after the first time)"
-# a build killed half-way leaves its lock behind and every later run would wait on it forever; nothing builds now
-rm -f "$TORCH_EXTENSIONS_DIR"/*/lock
+# a build killed half-way leaves its lock behind and every later run would wait on it forever. Only a lock older
+# than any real build is stale: removing a fresh one lets a second process build the same op at the same time as a
+# test run (or another setup.sh), and torch's release of the removed lock then fails in one of them.
+find "$TORCH_EXTENSIONS_DIR" -mindepth 2 -maxdepth 2 -name lock -mmin +60 -print -delete 2>/dev/null \
+  | sed 's/^/[setup] removed a stale build lock: /' || true
 DS_ACCELERATOR=cpu python - <<'PYEOF'
+import os
+import subprocess
 import warnings
 warnings.filterwarnings("ignore")
+# exactly what every run does before DeepSpeed builds anything: this cache, and the venv's ninja first on PATH
+from lightspeed.core.deepspeed_runtime import use_prebuilt_deepspeed_ops
+use_prebuilt_deepspeed_ops()
 from deepspeed.accelerator import get_accelerator
 accelerator = get_accelerator()
-for name in ("CPUAdamBuilder", "ShareMemCommBuilder", "PinMemoryBuilder", "AsyncIOBuilder"):
+for name in ("CPUAdamBuilder", "CPUAdagradBuilder", "ShareMemCommBuilder", "PinMemoryBuilder", "AsyncIOBuilder"):
     builder = accelerator.create_op_builder(name)
     if builder is not None and builder.is_compatible(verbose=False):
         builder.load(verbose=False)
+        # a later run must find nothing to rebuild (ninja decides from the command lines it logged)
+        build_dir = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], builder.NAME)
+        dry = subprocess.run(["ninja", "-n", "-d", "explain"], cwd=build_dir, capture_output=True, text=True)
+        if "no work to do" not in dry.stdout:
+            raise SystemExit(f"[setup] DeepSpeed op {builder.NAME} would be rebuilt by the next run:\n{dry.stdout}{dry.stderr}")
         print(f"[setup] DeepSpeed op {builder.NAME} ready")
     else:
         print(f"[setup] DeepSpeed op {name} not buildable here" + (" (NVMe offload unavailable: install libaio-dev)" if name == "AsyncIOBuilder" else ""))

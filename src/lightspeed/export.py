@@ -13,12 +13,15 @@ The export is written one tensor at a time from the rank files or the checkpoint
 not the model; a file's optimizer states are never loaded), in
 the Hugging Face layout (``model.safetensors``, or shards plus ``model.safetensors.index.json``), with the
 LightningModule's ``state_dict()`` names. Tied weights are stored once and restored by :func:`load_exported`.
-``strip_prefix="model."`` exports a wrapped Hugging Face model so that ``from_pretrained`` can load it.
+``strip_prefix="model."`` exports a wrapped Hugging Face model; with ``hf_config=`` (its config object, or the
+directory/``config.json`` written by ``save_pretrained``) ``config.json`` is written beside the weights, so that
+``from_pretrained(out)`` loads the export directly.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,6 +46,7 @@ def export_checkpoint(
     exclude_frozen: bool = False,
     strip_prefix: str | None = None,
     overwrite: bool = False,
+    hf_config: Any = None,
     progress: Progress | None = None,
 ) -> ExportResult:
     """Export the checkpoint ``ckpt`` to safetensors in ``out``: a DeepSpeed checkpoint directory (Lightning's
@@ -61,6 +65,9 @@ def export_checkpoint(
             stage 0, which do not record it.
         strip_prefix: export only keys under this prefix, without it (e.g. ``"model."``).
         overwrite: replace a non-empty ``out``.
+        hf_config: also write the Hugging Face ``config.json``: a config object (``model.config``: anything with
+            ``to_json_file`` or ``save_pretrained``), or the path of a ``config.json`` or of the directory holding
+            it (its ``generation_config.json`` is copied too). Written inside the atomic output with the weights.
         progress: called with (bytes written, total bytes) after each tensor.
     """
     options = ExportOptions(
@@ -70,6 +77,7 @@ def export_checkpoint(
         exclude_frozen=exclude_frozen,
         strip_prefix=strip_prefix,
         overwrite=overwrite,
+        hf_config=hf_config,
     )
     return export_checkpoint_path(ckpt, out, options, progress)
 

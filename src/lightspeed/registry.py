@@ -17,6 +17,7 @@ from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightspeed.core.deepspeed_config import ZERO_PRESETS
+from lightspeed.core.deepspeed_runtime import use_prebuilt_deepspeed_ops
 from lightspeed.plugins.accelerators.xla import XLAAccelerator, quiet_lightning_tpu_probe
 from lightspeed.strategies.ddp_exact import DDPExactStrategy
 from lightspeed.strategies.xla import SingleDeviceXLAExactStrategy, XLAExactStrategy
@@ -29,6 +30,7 @@ __all__ = ["register_all"]
 
 def register_all() -> None:
     """Register lightspeed's strategies, accelerator and precision routing with Lightning (idempotent)."""
+    use_prebuilt_deepspeed_ops()  # before DeepSpeed builds anything: the venv's prebuilt ops, not a rebuild
     for name, preset in ZERO_PRESETS.items():
         StrategyRegistry.register(
             name, ZeroStrategy, description=preset.description, override=True, **preset.init_params()

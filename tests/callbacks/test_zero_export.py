@@ -24,16 +24,21 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE / "scripts"))
 sys.path.insert(0, str(REPO / "tests" / "core" / "scripts"))
 sys.path.insert(0, str(REPO / "examples"))
-from zero_export_fit import CASES, LitLM  # noqa: E402
+from zero_export_fit import CASES, HF_CASES, HF_GPT2, LitLM  # noqa: E402
 
 CASE_NAMES = list(CASES)
+HF_CASE = "zero3_offload_hf_gpt2"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zero_export")
     run_torchrun(
-        HERE / "scripts" / "zero_export_fit.py", 2, [out, *CASE_NAMES], env={"DS_ACCELERATOR": "cpu"}, timeout=600
+        HERE / "scripts" / "zero_export_fit.py",
+        2,
+        [out, *CASE_NAMES, *HF_CASES],
+        env={"DS_ACCELERATOR": "cpu"},
+        timeout=600,
     )
     return out
 
@@ -135,3 +140,51 @@ def test_every_rank_raises_when_rank_zero_fails(runs):
     for outcome in (rank0, rank1):  # a second fit must not replace the first fit's export (overwrite=False)
         assert outcome["second_fit"].startswith("ExportError: output directory ")
         assert "exists and is not empty; pass overwrite=True" in outcome["second_fit"]
+
+
+def _hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(directory)
+    assert not model.training
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+def test_hf_model_export_loads_with_from_pretrained(runs):
+    """ZeroExport(strip_prefix="model.") of a GPT-2 trained under zero3_offload writes config.json and
+    generation_config.json beside the weights: from_pretrained(export) gives the trained model's logits."""
+    from transformers import GenerationConfig, GPT2Config
+
+    root = runs / HF_CASE
+    export = root / "export"
+    assert sorted(p.name for p in export.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    config = json.loads((export / "config.json").read_text())
+    assert {key: config[key] for key in HF_GPT2} == HF_GPT2
+    expected_generation = GenerationConfig.from_model_config(GPT2Config(**HF_GPT2)).to_dict()
+    assert GenerationConfig.from_pretrained(export).to_dict() == expected_generation
+    reference = torch.load(root / "reference.pt")
+    logits = _hf_logits(export, reference["tokens"])
+    assert logits.shape == (2, 13, HF_GPT2["vocab_size"])
+    assert (logits - reference["logits"]).abs().max().item() <= 1e-6
+
+
+def test_offline_export_of_the_hf_checkpoint_with_hf_config(runs, tmp_path):
+    """The checkpoint of the same run, exported by the library call (config object) and by `lightspeed export
+    --hf-config` (the directory save_pretrained wrote), loads with from_pretrained to the same logits."""
+    from transformers import GPT2Config
+
+    from lightspeed.cli.main import main
+
+    root = runs / HF_CASE
+    reference = torch.load(root / "reference.pt")
+    checkpoint = root / "ckpts" / "last.ckpt"
+    result = export_checkpoint(checkpoint, tmp_path / "library", strip_prefix="model.", hf_config=GPT2Config(**HF_GPT2))
+    assert result.files == ["model.safetensors", "config.json"]
+    assert (_hf_logits(tmp_path / "library", reference["tokens"]) - reference["logits"]).abs().max().item() <= 1e-6
+
+    GPT2Config(**HF_GPT2).save_pretrained(tmp_path / "saved")
+    argv = ["export", str(checkpoint), str(tmp_path / "cli"), "--strip-prefix", "model."]
+    assert main([*argv, "--hf-config", str(tmp_path / "saved"), "--quiet"]) == 0
+    assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == ["config.json", "model.safetensors"]
+    assert (_hf_logits(tmp_path / "cli", reference["tokens"]) - reference["logits"]).abs().max().item() <= 1e-6

@@ -20,11 +20,21 @@ def _config(capsys, *argv: str) -> dict:
     [
         ("zero1", {"stage": 1}),
         ("zero2_offload", {"stage": 2, "offload_optimizer": "cpu"}),
+        ("zero3_offload_optimizer", {"stage": 3, "offload_optimizer": "cpu"}),
         ("zero3_offload", {"stage": 3, "offload_optimizer": "cpu", "offload_parameters": "cpu"}),
     ],
 )
 def test_without_flags_every_trainer_value_stays_auto(capsys, name, kwargs):
     assert _config(capsys, name) == zero_preset(**kwargs)
+
+
+def test_zero3_with_only_the_optimizer_offloaded(capsys):
+    zero = _config(capsys, "zero3_offload_optimizer")["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert "offload_param" not in zero
+    assert main(["config", "zero3_offload_optimiser"]) == 2
+    assert "Did you mean 'zero3_offload_optimizer'?" in capsys.readouterr().err
 
 
 def test_flags_resolve_their_keys_like_the_strategy_does(capsys):

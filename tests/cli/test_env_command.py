@@ -28,6 +28,7 @@ def test_reports_versions_devices_ops_and_strategies(capsys):
         "zero2_offload",
         "zero3",
         "zero3_offload",
+        "zero3_offload_optimizer",
         "zero3_nvme",
         "zero_auto",
         "ddp_exact",
@@ -46,6 +47,8 @@ def test_strategy_verdicts_follow_the_ops(monkeypatch):
     assert verdicts["zero2"] is None and verdicts["zero3"] is None
     assert verdicts["zero2_offload"] == "DeepSpeed's cpu_adam op is not usable: needs a C++ compiler and ninja"
     assert verdicts["zero3_offload"] == verdicts["zero2_offload"]
+    assert verdicts["zero3_offload_optimizer"] == verdicts["zero2_offload"]
+    assert strategies({"cpu_adam": usable, "async_io": usable}, versions)["zero3_offload_optimizer"] is None
     no_aio = {"cpu_adam": usable, "async_io": {"usable": False, "why": "missing libaio: apt-get install libaio-dev"}}
     assert strategies(no_aio, versions)["zero3_nvme"] == (
         "DeepSpeed's async_io op is not usable: missing libaio: apt-get install libaio-dev"
@@ -59,3 +62,14 @@ def test_strategy_verdicts_follow_the_ops(monkeypatch):
     )
     monkeypatch.setenv(NVME_PATH_ENV, "/tmp/swap")
     assert strategies(all_usable, versions)["zero3_nvme"] is None
+
+
+def test_zero3_offload_optimizer_is_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightspeed.strategies.zero import ZeroStrategy
+
+    entry = StrategyRegistry["zero3_offload_optimizer"]
+    assert entry["strategy"] is ZeroStrategy
+    assert entry["init_params"] == {"stage": 3, "offload_optimizer": "cpu"}
+    assert entry["description"] == "ZeRO-3 with optimizer states and step on the CPU, parameters on the device"

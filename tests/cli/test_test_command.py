@@ -29,6 +29,17 @@ def test_zero2_on_two_cpu_processes_is_ready(capsys):
     assert out[-1] == "READY: zero2 trains on this machine with 2 processes and they agree."
 
 
+def test_zero3_with_the_optimizer_offloaded_on_two_cpu_processes_is_ready(capsys):
+    argv = ["test", "--strategy", "zero3_offload_optimizer", "--devices", "2", "--accelerator", "cpu"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "lightspeed test: zero3_offload_optimizer on 2 CPU processes (gloo), 3 steps, precision 32-true"
+    checks = [line for line in out if line.startswith("  ")]
+    assert any(line.split()[0] == "PASS" and "DeepSpeed cpu_adam op usable" in line for line in checks)
+    assert all(line.split()[0] == "PASS" for line in checks)
+    assert out[-1] == "READY: zero3_offload_optimizer trains on this machine with 2 processes and they agree."
+
+
 def test_a_run_that_breaks_fails_with_the_cause(capsys, tmp_path):
     # --keep DIR of an earlier run: its results and logs must not be read as this run's
     stale = _result(0)

@@ -15,18 +15,21 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightspeed.core.memory import (
+    GIB,
     ZERO_OPTIONS,
     Accounting,
+    Budgets,
     Cluster,
     ModelCounts,
-    ZeroOption,
     count_parameters,
     estimate_option,
+    format_table,
+    plan,
 )
 
 OPTIONS = {option.name: option for option in ZERO_OPTIONS}
-# DeepSpeed also covers ZeRO-3 with only the optimizer offloaded; the estimator handles it as a custom option
-ZERO3_OPTIMIZER_OFFLOAD = ZeroOption("zero3_offload_optimizer", 3, "cpu", "none")
+# DeepSpeed's middle row, ZeRO-3 with only the optimizer offloaded, is one of the planner's options
+ZERO3_OPTIMIZER_OFFLOAD = OPTIONS["zero3_offload_optimizer"]
 
 
 def _gpt2_counts(layers: int, width: int) -> ModelCounts:
@@ -103,3 +106,33 @@ def test_zero2_options_match_deepspeed(models, size, gpus, nodes):
             assert ours.host.total <= single_node_cpu
         else:
             assert ours.host.total == pytest.approx(ds_cpu, rel=0.05), option.name
+
+
+def test_deepspeeds_middle_row_is_in_the_table():
+    """DeepSpeed's estimator for 2783M parameters, largest layer 65M, 1 GPU: "offload_param=none,
+    offload_optimizer=cpu: 5.43GB per GPU, 62.20GB CPU" (GB = 2^30 bytes in its printout)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    counts = ModelCounts(2_783_000_000, 65_000_000)
+    ds_cpu, ds_gpu, _ = estimate_zero3_model_states_mem_needs(
+        total_params=counts.total_params,
+        largest_layer_params=counts.largest_layer_params,
+        num_gpus_per_node=1,
+        num_nodes=1,
+        cpu_offload=True,
+        cpu_offload_params=False,
+        zero_init=True,
+        additional_buffer_factor=1.5,
+    )
+    assert (round(ds_gpu / GIB, 2), round(ds_cpu / GIB, 2)) == (5.43, 62.2)
+    result = plan(counts, Cluster(1), Budgets(8 * GIB, 128 * GIB), Accounting(zero_init=True))
+    row = next(v for v in result.verdicts if v.estimate.option.name == "zero3_offload_optimizer")
+    assert row.estimate.device.total == ds_gpu  # 4 bytes x largest layer + 2 bytes x parameters, exactly
+    assert row.estimate.host.total == ds_cpu  # 16 bytes x parameters x 1.5, exactly
+    assert row.fits and row.reason == "fits: device 5.43 GiB of 6.40 GiB usable; host 62.20 GiB of 102.40 GiB usable"
+    table = format_table(result).splitlines()
+    line = next(text for text in table if text.startswith("zero3_offload_optimizer "))
+    assert line.split("|")[1].split() == ["5.30G", "124.0M", "0", "5.43G"]
+    assert line.split("|")[2].split()[-1] == "62.20G"
+    # this budget fits ZeRO-2 with the optimizer offloaded first: the faster option is chosen
+    assert result.choice.estimate.option.name == "zero2_offload"

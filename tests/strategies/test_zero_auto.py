@@ -43,8 +43,8 @@ def _host_budget_choosing(name: str, module: torch.nn.Module) -> int:
 CASES = {
     "measured": ("regression", {}),
     "tight_zero2": ("regression", {"host_memory": "zero2"}),
-    "zero3_param_offload": ("deep", {"host_memory": "zero3_offload_params"}),
-    "zero3_configure_model": ("deep_configure", {"host_memory": "zero3_offload_params"}),
+    "zero3_optimizer_offload": ("deep", {"host_memory": "zero3_offload_optimizer"}),
+    "zero3_configure_model": ("deep_configure", {"host_memory": "zero3_offload_optimizer"}),
     "nothing_fits": ("regression", {"host_memory": 1000}),
 }
 
@@ -100,7 +100,16 @@ def test_measured_budgets_pick_zero1_for_a_small_model(results, regression_refer
 def test_logs_the_table_and_the_choice(results):
     logged = "\n".join(_meta(results, "measured")["logged"])
     assert "lightspeed zero_auto: memory plan" in logged
-    for name in ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload_params", "zero3_offload", "zero3_nvme"):
+    for name in (
+        "zero1",
+        "zero2",
+        "zero2_offload",
+        "zero3",
+        "zero3_offload_optimizer",
+        "zero3_offload_params",
+        "zero3_offload",
+        "zero3_nvme",
+    ):
         assert f"\n{name} " in logged
     assert "Choice: zero1 (ZeRO-1: optimizer states partitioned), the fastest option that fits." in logged
     assert "safety margin 20%" in logged
@@ -114,15 +123,17 @@ def test_tight_host_memory_moves_to_zero2(results, regression_reference):
     _assert_weights(results, "tight_zero2", regression_reference)
 
 
-@pytest.mark.parametrize("name", ["zero3_param_offload", "zero3_configure_model"])
-def test_tighter_host_memory_moves_to_zero3_with_parameter_offload(results, deep_reference, name):
+@pytest.mark.parametrize("name", ["zero3_optimizer_offload", "zero3_configure_model"])
+def test_tighter_host_memory_moves_to_zero3_with_optimizer_offload(results, deep_reference, name):
     meta = _meta(results, name)
-    assert meta["chosen"] == "zero3_offload_params"
+    assert meta["chosen"] == "zero3_offload_optimizer"  # the first option that fits: ZeRO-2 offload did not
+    assert "zero2_offload: too big: host" in "\n".join(meta["logged"])
+    assert "zero3: too big: host" in "\n".join(meta["logged"])
     zero = meta["config"]["zero_optimization"]
     assert zero["stage"] == 3
-    assert zero["offload_param"]["device"] == "cpu"
-    assert "offload_optimizer" not in zero
-    assert meta["optimizer"] == "AdamW"  # the optimizer stays on the device: no CPU Adam conversion
+    assert zero["offload_optimizer"]["device"] == "cpu"
+    assert "offload_param" not in zero  # the parameters stay on the device
+    assert meta["optimizer"] == "DeepSpeedCPUAdam"  # the optimizer steps on the CPU
     _assert_weights(results, name, deep_reference)
 
 

@@ -10,6 +10,20 @@ At the end of ``fit`` (and, with ``on_checkpoint=True``, whenever a checkpoint i
 model parameter by parameter: trainable weights are assembled from DeepSpeed's fp32 master partitions, frozen ZeRO-3
 weights are gathered one at a time, and rank 0 writes each tensor and drops it. No rank holds the full model. The
 output equals exporting the checkpoint the engine would save at that moment (``lightspeed export``).
+
+When the exported module (the LightningModule, or its submodule at ``strip_prefix``) is a Hugging Face model, its
+``config.json`` (and ``generation_config.json``) are written beside the weights, so ``from_pretrained(dirpath)``
+loads the export:
+
+```python
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = GPT2LMHeadModel(GPT2Config(...))
+
+trainer = L.Trainer(strategy="zero3_offload", callbacks=[ZeroExport("export/", strip_prefix="model.")])
+GPT2LMHeadModel.from_pretrained("export/")
+```
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ from typing_extensions import override
 
 from lightspeed.core.checkpoint.errors import ExportError
 from lightspeed.core.checkpoint.exporter import ExportResult
+from lightspeed.core.checkpoint.hf_config import find_hf_config
 from lightspeed.core.checkpoint.live import export_engine
 from lightspeed.core.checkpoint.options import ExportOptions
 from lightspeed.core.checkpoint.staging import check_output_dir_on_every_rank
@@ -45,6 +60,10 @@ class ZeroExport(Callback):
         strip_prefix: export only the keys under this prefix, without it (``"model."`` for a wrapped HF model).
         on_checkpoint: also export whenever a checkpoint is saved, so ``dirpath`` follows the latest checkpoint.
         overwrite: replace a non-empty ``dirpath`` that this run did not write (checked before training starts).
+        hf_config: the Hugging Face ``config.json`` written beside the weights. None (default): the exported
+            module's own ``.config`` (and ``.generation_config``) when it has one with ``to_json_file`` /
+            ``save_pretrained``, nothing otherwise; a config object or a ``config.json`` path / directory: that one;
+            False: never.
 
     The export options are validated here (``self.options``), so a typo fails at construction, not after training.
     """
@@ -58,6 +77,7 @@ class ZeroExport(Callback):
         strip_prefix: str | None = None,
         on_checkpoint: bool = False,
         overwrite: bool = False,
+        hf_config: Any = None,
     ) -> None:
         self.dirpath = Path(dirpath)
         self.options = ExportOptions(
@@ -66,7 +86,9 @@ class ZeroExport(Callback):
             exclude_frozen=exclude_frozen,
             strip_prefix=strip_prefix,
             overwrite=overwrite,
+            hf_config=None if hf_config is False else hf_config,
         )
+        self._hf_config_from_model = hf_config is None  # found on the exported module at each export
         self.on_checkpoint = on_checkpoint
         self._written = False
         self.export_count = 0  # exports written by this callback (per process; every rank takes part)
@@ -86,12 +108,15 @@ class ZeroExport(Callback):
         # every rank raises rank 0's verdict (the other ranks would otherwise wait in deepspeed.initialize)
         check_output_dir_on_every_rank(self.dirpath, self.options.overwrite)
 
-    def _export(self, trainer: pl.Trainer, reason: str) -> None:
+    def _export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reason: str) -> None:
         engine = trainer.strategy.deepspeed_engine  # type: ignore[attr-defined]  # checked in setup
         if engine is None:
             raise ExportError("ZeroExport: the DeepSpeed engine is not set up; the export runs during fit only")
-        # once this run has written dirpath, later exports replace it
-        options = dataclasses.replace(self.options, overwrite=True) if self._written else self.options
+        options = self.options
+        if self._hf_config_from_model:
+            options = dataclasses.replace(options, hf_config=find_hf_config(pl_module, options.strip_prefix))
+        if self._written:  # once this run has written dirpath, later exports replace it
+            options = dataclasses.replace(options, overwrite=True)
         self.last_result = export_engine(
             engine,
             self.dirpath,
@@ -112,9 +137,9 @@ class ZeroExport(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         if self.on_checkpoint and trainer.state.fn == "fit":
-            self._export(trainer, "checkpoint")
+            self._export(trainer, pl_module, "checkpoint")
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the end of fit, while the engine and process group are still fully set up (on_fit_end runs after teardown)
-        self._export(trainer, "fit_end")
+        self._export(trainer, pl_module, "fit_end")

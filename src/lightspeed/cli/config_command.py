@@ -48,7 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "> ds_config.json",
     )
     parser.add_argument(
-        "name", help="strategy name, e.g. zero1, zero2, zero2_offload, zero3, zero3_offload, zero3_nvme"
+        "name",
+        help="strategy name, e.g. zero1, zero2, zero2_offload, zero3, zero3_offload_optimizer, zero3_offload, "
+        "zero3_nvme",
     )
     parser.add_argument("--micro-batch-size", type=int, help="per-device batch size of the train dataloader")
     parser.add_argument("--accumulate", type=int, help="Trainer(accumulate_grad_batches=...)")

@@ -15,7 +15,12 @@ from typing import Any
 
 from lightspeed.cli.usage import EXIT_OK
 from lightspeed.core.deepspeed_config import NVME_PATH_ENV
-from lightspeed.core.deepspeed_runtime import export_deepspeed_accelerator
+from lightspeed.core.deepspeed_runtime import (
+    TORCH_EXTENSIONS_ENV,
+    export_deepspeed_accelerator,
+    torch_extensions_root,
+    venv_torch_extensions_dir,
+)
 
 PACKAGES = ("torch", "lightning", "deepspeed", "torch_xla", "torchmetrics", "safetensors", "transformers", "lightspeed")
 # ops lightspeed's strategies use, and why
@@ -69,10 +74,24 @@ def devices() -> dict[str, Any]:
     return info
 
 
+def extension_cache() -> dict[str, str]:
+    """Where DeepSpeed's JIT-compiled ops are loaded from and built into, and why that directory."""
+    root = torch_extensions_root()
+    if os.environ.get(TORCH_EXTENSIONS_ENV) is None:
+        source = "torch's default (TORCH_EXTENSIONS_DIR unset); one subfolder per Python/device build"
+    elif os.path.realpath(root) == os.path.realpath(venv_torch_extensions_dir()):
+        source = "this environment's prebuilt ops, from scripts/setup.sh"
+    else:
+        source = "TORCH_EXTENSIONS_DIR"
+    return {"path": str(root), "source": source}
+
+
 def _jit_cached(op_name: str) -> bool:
     """Whether torch's extension cache already holds a compiled ``op_name`` (built by an earlier run)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
-    return bool(glob.glob(os.path.join(root, "*", op_name, "*.so")))
+    root = str(torch_extensions_root())
+    if os.environ.get(TORCH_EXTENSIONS_ENV) is not None:  # TORCH_EXTENSIONS_DIR/<op>/<op>.so
+        return bool(glob.glob(os.path.join(glob.escape(root), op_name, "*.so")))
+    return bool(glob.glob(os.path.join(glob.escape(root), "*", op_name, "*.so")))  # <root>/py311_cpu/<op>/<op>.so
 
 
 def compiler_available() -> bool:
@@ -174,6 +193,7 @@ def collect() -> dict[str, Any]:
         "platform": platform.platform(),
         "devices": devices(),
         "compiler_and_ninja": compiler_available(),
+        "extension_cache": extension_cache(),
         "deepspeed_ops": ops,
         "strategies": strategies(ops, versions),
     }
@@ -200,6 +220,8 @@ def format_report(data: dict[str, Any]) -> str:
     else:
         lines.append("  CUDA           no GPU visible (ZeRO strategies run on the CPU with gloo)")
     lines += ["", f"DeepSpeed ops (C++ compiler and ninja: {'yes' if data['compiler_and_ninja'] else 'no'})"]
+    cache = data["extension_cache"]
+    lines.append(f"  compiled ops in {cache['path']} ({cache['source']})")
     if data["deepspeed_ops"] is None:
         lines.append("  DeepSpeed is not installed")
     else:
@@ -208,7 +230,7 @@ def format_report(data: dict[str, Any]) -> str:
             lines.append(f"  {name:22} {'usable' if op['usable'] else 'NOT usable':10} {op['why']}{use}")
     lines += ["", "lightspeed strategies"]
     for name, problem in data["strategies"].items():
-        lines.append(f"  {name:18} {'ok' if problem is None else problem}")
+        lines.append(f"  {name:24} {'ok' if problem is None else problem}")
     return "\n".join(lines)
 
 

@@ -70,6 +70,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="PREFIX",
         help="export only keys under PREFIX, without it (e.g. 'model.' for a wrapped HF model)",
     )
+    parser.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="PATH",
+        help="a Hugging Face config.json, or the directory holding it (its generation_config.json too), copied "
+        "beside the weights so that from_pretrained(OUT) loads the export",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
 
@@ -85,6 +92,7 @@ def _options(args: argparse.Namespace) -> ExportOptions:
         exclude_frozen=args.exclude_frozen,
         strip_prefix=args.strip_prefix,
         overwrite=args.overwrite,
+        hf_config=args.hf_config,
     )
 
 

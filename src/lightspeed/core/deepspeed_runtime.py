@@ -9,9 +9,70 @@ DeepSpeed was imported before the choice was known).
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+from pathlib import Path
 from typing import Any
 
 DEVICE_KINDS = ("cpu", "cuda")
+TORCH_EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
+
+
+def venv_torch_extensions_dir(prefix: str | os.PathLike[str] | None = None) -> Path:
+    """Where ``scripts/setup.sh`` prebuilds DeepSpeed's CPU ops: ``<prefix>/torch_extensions`` (default: this
+    interpreter's ``sys.prefix``, the virtual environment when one is in use)."""
+    return Path(sys.prefix if prefix is None else prefix) / "torch_extensions"
+
+
+def use_prebuilt_deepspeed_ops(prefix: str | os.PathLike[str] | None = None) -> Path | None:
+    """Make DeepSpeed's JIT-compiled ops come from the environment's prebuilt cache; returns the cache in use.
+
+    * ``TORCH_EXTENSIONS_DIR`` unset and ``<prefix>/torch_extensions`` exists: the variable is set to it, so a
+      process that did not source ``scripts/env.sh`` loads the ops ``setup.sh`` compiled instead of compiling them
+      again into ``~/.cache/torch_extensions``. A value the user set is never changed.
+    * When the cache in use is the environment's own, torch must run the environment's ``ninja`` (the one that built
+      it): torch runs ``ninja`` from ``PATH``, and ninja 1.13 hashes command lines differently from ninja <= 1.12
+      (both write the same ``.ninja_log``), so a system ``/usr/bin/ninja`` found first on the ``PATH`` of an
+      unactivated virtual environment sees every command "changed" and rebuilds every op, and the next run with the
+      environment's ninja rebuilds them back. ``<prefix>/bin`` is put first on ``PATH`` (what activating the
+      environment does) when it holds a ninja that is not the one ``PATH`` finds.
+
+    Returns the extension cache directory when ``TORCH_EXTENSIONS_DIR`` is set (by the user or here), else None
+    (torch's default under ``~/.cache``). Idempotent; touches nothing on disk.
+    """
+    root = Path(sys.prefix if prefix is None else prefix)
+    prebuilt = venv_torch_extensions_dir(root)
+    current = os.environ.get(TORCH_EXTENSIONS_ENV)
+    if current is None:
+        if not prebuilt.is_dir():
+            return None
+        os.environ[TORCH_EXTENSIONS_ENV] = current = str(prebuilt)
+    if os.path.realpath(current) == os.path.realpath(prebuilt):
+        _put_first_on_path(root / "bin", "ninja")
+    return Path(current)
+
+
+def _put_first_on_path(bin_dir: Path, program: str) -> None:
+    """Prepend ``bin_dir`` to ``PATH`` when it holds ``program`` and ``PATH`` resolves ``program`` elsewhere."""
+    candidate = bin_dir / program
+    if not (candidate.is_file() and os.access(candidate, os.X_OK)):
+        return
+    found = shutil.which(program)
+    if found is not None and os.path.realpath(found) == os.path.realpath(candidate):
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(bin_dir), path]) if path else str(bin_dir)
+
+
+def torch_extensions_root() -> Path:
+    """The directory torch's JIT builds extensions under right now: ``TORCH_EXTENSIONS_DIR`` (ops in ``<dir>/<op>``),
+    else torch's default cache root (ops in ``<root>/<python-and-device tag>/<op>``)."""
+    configured = os.environ.get(TORCH_EXTENSIONS_ENV)
+    if configured is not None:
+        return Path(configured)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
 
 
 def export_deepspeed_accelerator(kind: str) -> None:

@@ -2,9 +2,10 @@
 
 A process group left alive until interpreter exit is destroyed while Python tears down its modules; gloo's (and
 NCCL's) native threads are then sometimes still running, and the process ends with ``terminate called without an
-active exception`` (exit code -6) after a successful run. lightspeed therefore destroys the group it created as
-soon as nothing can use it any more (the strategy's teardown) and at the latest in an ``atexit`` hook, which runs
-while the interpreter is still whole. A group the user created is never touched.
+active exception`` (exit code -6) after a successful run. lightspeed therefore destroys the group it created in an
+``atexit`` hook, which runs while the interpreter is still whole; not at the end of a run, since the training engine
+kept for evaluation, ZeRO-3 partitioned modules and the user's own ``torch.distributed`` calls after ``fit`` (even a
+failed one) still use it. A group the user created is never touched.
 """
 
 from __future__ import annotations
@@ -50,41 +51,15 @@ def destroy_owned_group() -> None:
     _owned = False
     if not group_is_initialized():
         return
-    count = _group_count()
     try:
         import deepspeed.comm as ds_comm
         import deepspeed.comm.comm as ds_comm_state
     except ImportError:  # pragma: no cover - DeepSpeed is a dependency
         dist.destroy_process_group()
-        _restore_group_count(count)
         return
     if ds_comm_state.cdb is not None and ds_comm.is_initialized():
         ds_comm.destroy_process_group()  # also drops DeepSpeed's cached groups (deepspeed.utils.groups)
     if group_is_initialized():
         dist.destroy_process_group()
     ds_comm_state.cdb = None
-    _restore_group_count(count)
     log.debug("lightspeed destroyed the default process group it created")
-
-
-def _group_count() -> int | None:
-    from torch.distributed import distributed_c10d
-
-    world = getattr(distributed_c10d, "_world", None)
-    count = getattr(world, "group_count", None)
-    return count if isinstance(count, int) else None
-
-
-def _restore_group_count(count: int | None) -> None:
-    """Keep torch's process-group counter where it was: ``destroy_process_group`` resets it, and the next default
-    group would be named ``0`` again. Its store keys (``default_pg/0/...``) are still in a store that outlives the
-    group (torchrun's agent store), so a rank could read the previous group's addresses and fail to connect
-    ("Gloo connectFullMesh failed ... Connection refused"). Every rank destroys at the same point with the same
-    count, so the new names agree across ranks."""
-    if count is None:
-        return
-    from torch.distributed import distributed_c10d
-
-    world = getattr(distributed_c10d, "_world", None)
-    if world is not None and getattr(world, "group_count", None) == 0:
-        world.group_count = count

@@ -11,8 +11,8 @@ Built on Lightning's ``DeepSpeedStrategy`` (launchers, engine wiring, checkpoint
 * evaluation from a checkpoint (``validate/test/predict(ckpt_path=...)``) in a fresh process loads the weights of
   any stage and world size into the (partitioned) inference model itself, tensor by tensor;
 * checkpoints are written to a staging directory and committed only after every rank finished;
-* the process group lightspeed created is destroyed when nothing needs it any more (at the latest at exit), and
-  known third-party deprecation floods are filtered while the strategy runs.
+* the process group lightspeed created is destroyed when the interpreter exits (never mid-teardown), and known
+  third-party deprecation floods are filtered while the strategy runs.
 """
 
 from __future__ import annotations
@@ -373,8 +373,9 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
             self._teardown_lightning()
         finally:
             _third_party_warnings.uninstall()
-            if failed or not self._process_group_still_needed():
-                _process_group.destroy_owned_group()
+        # The process group lightspeed created stays up until the interpreter exits (an ``atexit`` hook destroys it
+        # then, while the interpreter is intact): the training engine kept for evaluation after ``fit``, ZeRO-3
+        # partitioned modules and the user's own ``torch.distributed`` calls after a run (even a failed one) use it.
 
     def _teardown_lightning(self) -> None:
         if self._train_engine is None or self._device_kind() == "cpu":
@@ -387,15 +388,6 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-
-    def _process_group_still_needed(self) -> bool:
-        """Whether something this strategy keeps is bound to the process group: the training engine (reused for
-        evaluation after ``fit``) or ZeRO-3 partitioned parameters of the module (a later ``validate``/``test`` on
-        the same module gathers them over that group). Otherwise the group is destroyed at teardown; else at exit."""
-        if self._train_engine is not None:
-            return True
-        module = self.lightning_module
-        return module is not None and any(hasattr(p, "ds_id") for p in module.parameters())
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -1,7 +1,7 @@
 """Worker (torchrun, 2 ranks, CPU): fit with a lightspeed ZeRO strategy and the ZeroExport callback, save a
 checkpoint with ModelCheckpoint, and record the live fp32 master weights gathered after fit as the reference.
 
-Usage: torchrun --nproc_per_node=2 zero_export_fit.py OUT_DIR CASE [CASE ...]   (cases: see CASES)
+Usage: torchrun --nproc_per_node=2 zero_export_fit.py OUT_DIR CASE [CASE ...]   (cases: see CASES and HF_CASES)
 Rank 0 writes OUT_DIR/<case>/reference.pt; the export is in OUT_DIR/<case>/export, the checkpoint in
 OUT_DIR/<case>/ckpts/last.ckpt.
 """
@@ -33,6 +33,9 @@ CASES = {
     "zero3_tiny_gpt": ("zero3_offload", "tiny_gpt", {"dtype": "fp32"}),
 }
 TINY_GPT_VOCAB, TINY_GPT_CONTEXT = 29, 12
+# case -> strategy name: a Hugging Face GPT-2 as `self.model`, exported with strip_prefix="model." (config.json too)
+HF_CASES = {"zero3_offload_hf_gpt2": "zero3_offload"}
+HF_GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 100, "n_positions": 32}
 
 
 def build_net(kind: str) -> torch.nn.Module:
@@ -119,6 +122,55 @@ def run(case: str, out: Path) -> None:
     trainer.strategy.barrier()
 
 
+class LitHFGPT2(L.LightningModule):
+    """A LightningModule holding a tiny Hugging Face GPT-2 (built from a config: nothing is downloaded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.model = GPT2LMHeadModel(GPT2Config(**HF_GPT2))
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def hf_probe_tokens() -> torch.Tensor:
+    return torch.randint(0, HF_GPT2["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(11))
+
+
+def run_hf(case: str, out: Path) -> None:
+    """Fit, export with ZeroExport(strip_prefix="model."), and record the trained model's logits on a probe batch
+    (computed by the ZeRO-3 partitioned model itself, every rank taking part in the gathers)."""
+    root = out / case
+    L.seed_everything(0, verbose=False)
+    model = LitHFGPT2()
+    tokens = torch.randint(0, HF_GPT2["vocab_size"], (12, 9), generator=torch.Generator().manual_seed(5))
+    trainer = L.Trainer(
+        strategy=HF_CASES[case],
+        accelerator="cpu",
+        devices=2,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=[ZeroExport(root / "export", strip_prefix="model."), ModelCheckpoint(root / "ckpts", save_last=True)],
+    )
+    trainer.fit(model, DataLoader(TensorDataset(tokens), batch_size=3))
+    module = trainer.strategy.deepspeed_engine.module
+    module.eval()
+    with torch.no_grad():
+        logits = module.model(input_ids=hf_probe_tokens()).logits.detach().clone()
+    if trainer.is_global_zero:
+        torch.save({"tokens": hf_probe_tokens(), "logits": logits}, root / "reference.pt")
+    trainer.strategy.barrier()
+
+
 FAILURE_CASE = "zero3_offload"
 
 
@@ -179,7 +231,10 @@ def main() -> None:
     out = Path(sys.argv[1])
     os.environ["LIGHTSPEED_NVME_PATH"] = str(out / "nvme")
     for case in sys.argv[2:]:
-        run(case, out)
+        if case in HF_CASES:
+            run_hf(case, out)
+        else:
+            run(case, out)
 
 
 if __name__ == "__main__":

@@ -148,4 +148,6 @@ def _write_export(
     metadata = safetensors_metadata(aliases, options.torch_dtype, source_info)
     with reader, staged_output(output_dir, options.overwrite) as staging:
         files = write_shards(staging, tensors, options.max_shard_bytes, metadata, progress)
+        if options.hf_files is not None:
+            files += options.hf_files.write(staging)
     return ExportResult.of(output_dir, files, tensors, aliases, checkpoint.skipped)

@@ -172,6 +172,8 @@ def export_engine(
     try:
         with staged_output(output_dir, options.overwrite) as staging:
             files = write_shards(staging, tensors, options.max_shard_bytes, metadata)
+            if options.hf_files is not None:
+                files += options.hf_files.write(staging)
     except BaseException as error:
         # the other ranks are waiting in the collectives of the remaining tensors: take part, then fail everywhere
         failure = error

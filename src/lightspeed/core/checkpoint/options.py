@@ -8,9 +8,11 @@ defaulted and checked in one place, and a typo fails before any file is read or 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from lightspeed.core.checkpoint.hf_config import HFConfigFiles, resolve_hf_config
 from lightspeed.core.checkpoint.plan import resolve_dtype
 from lightspeed.core.checkpoint.safetensors_writer import parse_shard_size
 
@@ -30,6 +32,10 @@ class ExportOptions:
         exclude_frozen: leave out parameters with ``requires_grad=False``.
         strip_prefix: export only keys under this prefix, without it (e.g. ``"model."``).
         overwrite: replace a non-empty output directory.
+        hf_config: write ``config.json`` beside the weights so ``from_pretrained`` loads the export: a Hugging Face
+            config object (``to_json_file`` / ``save_pretrained``, e.g. ``model.config``), or the path of a
+            ``config.json`` or of a directory holding one (its ``generation_config.json`` is copied too).
+        hf_files: ``hf_config`` checked: what will be written beside the weights, None for nothing (derived).
         torch_dtype: ``dtype`` resolved to a torch dtype (derived).
         max_shard_bytes: ``max_shard_size`` in bytes, None for one file (derived).
     """
@@ -40,6 +46,8 @@ class ExportOptions:
     exclude_frozen: bool = False
     strip_prefix: str | None = None
     overwrite: bool = False
+    hf_config: Any = field(default=None, hash=False)
+    hf_files: HFConfigFiles | None = field(init=False, repr=False, compare=False)
     torch_dtype: torch.dtype = field(init=False, repr=False, compare=False)
     max_shard_bytes: int | None = field(init=False, repr=False, compare=False)
 
@@ -47,3 +55,4 @@ class ExportOptions:
         # frozen: the derived fields are set once, here, through object.__setattr__
         object.__setattr__(self, "torch_dtype", resolve_dtype(self.dtype))
         object.__setattr__(self, "max_shard_bytes", parse_shard_size(self.max_shard_size))
+        object.__setattr__(self, "hf_files", resolve_hf_config(self.hf_config))

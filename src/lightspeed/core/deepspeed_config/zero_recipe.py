@@ -56,6 +56,9 @@ ZERO_PRESETS: dict[str, ZeroPreset] = {
         2, "cpu", description="ZeRO-2 with optimizer states and step on the CPU (ZeRO-Offload)"
     ),
     "zero3": ZeroPreset(3, description="ZeRO-3: optimizer states, gradients and parameters partitioned"),
+    "zero3_offload_optimizer": ZeroPreset(
+        3, "cpu", description="ZeRO-3 with optimizer states and step on the CPU, parameters on the device"
+    ),
     "zero3_offload": ZeroPreset(
         3, "cpu", "cpu", description="ZeRO-3 with optimizer states and parameters offloaded to the CPU"
     ),

@@ -85,11 +85,15 @@ ZERO_OPTIONS: tuple[ZeroOption, ...] = (
     ZeroOption("zero2", 2, description="ZeRO-2: + gradients partitioned"),
     ZeroOption("zero2_offload", 2, "cpu", description="ZeRO-2, optimizer states and step on the CPU"),
     ZeroOption("zero3", 3, description="ZeRO-3: + parameters partitioned"),
+    ZeroOption("zero3_offload_optimizer", 3, "cpu", description="ZeRO-3, optimizer states and step on the CPU"),
     ZeroOption("zero3_offload_params", 3, "none", "cpu", description="ZeRO-3, parameters on the CPU"),
     ZeroOption("zero3_offload", 3, "cpu", "cpu", description="ZeRO-3, parameters and optimizer on the CPU"),
     ZeroOption("zero3_nvme", 3, "nvme", "nvme", description="ZeRO-3, parameters and optimizer on NVMe"),
 )
-"""Fastest first, each slower and more memory-efficient than the one before (the order users try them in)."""
+"""Fastest first, in the order people try them: ZeRO-1, ZeRO-2, ZeRO-2 + optimizer offload, ZeRO-3, ZeRO-3 +
+optimizer offload (DeepSpeed's estimator's middle row), ZeRO-3 + parameter offload (for a host too small for the
+optimizer states), ZeRO-3 + both offloads, NVMe. The names are the registered strategy names, except
+``zero3_offload_params`` (``ZeroStrategy(stage=3, offload_parameters="cpu")``)."""
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from lightspeed.core.memory.selection import Plan
 from lightspeed.core.memory.sizes import format_short, format_size
 
 _HEAD = (
-    f"{'':22} |{'per device':^34}|{'per host (per node)':^41}|{'NVMe':^8}|\n"
-    f"{'option':22} |{'params':>8}{'grads':>8}{'optim':>8}{'total':>9} |"
+    f"{'':24} |{'per device':^34}|{'per host (per node)':^41}|{'NVMe':^8}|\n"
+    f"{'option':24} |{'params':>8}{'grads':>8}{'optim':>8}{'total':>9} |"
     f"{'load':>8}{'params':>8}{'grads':>8}{'optim':>8}{'total':>8} |{'/node':>7} | fits"
 )
 
@@ -50,7 +50,7 @@ def format_table(result: Plan, names: dict[str, str] | None = None) -> str:
         d, h = e.device, e.host
         mark = "<- chosen" if verdict is result.choice else ("yes" if verdict.fits else "no")
         lines.append(
-            f"{names.get(e.option.name, e.option.name):22} |"
+            f"{names.get(e.option.name, e.option.name):24} |"
             f"{fmt(d.params):>8}{fmt(d.grads):>8}{fmt(d.optimizer):>8}{fmt(d.total):>9} |"
             f"{fmt(h.load):>8}{fmt(h.params):>8}{fmt(h.grads):>8}{fmt(h.optimizer):>8}"
             f"{fmt(h.total):>8} |{fmt(e.nvme_per_node) if e.nvme_per_node else '-':>7} | {mark}"
