@@ -78,10 +78,10 @@ def test_a_missing_rank_file_is_named_on_every_rank(runs: Path) -> None:
 
 
 @pytest.mark.parametrize("tag", ["eval2", "eval1"])
-def test_process_group_is_released_after_evaluation_and_a_later_fit_works(runs: Path, tag: str) -> None:
-    # stages 0-2: nothing holds the group after validate, so it is destroyed and the next run creates it again;
-    # ZeRO-3 modules stay partitioned over it (a later test/predict on the same module uses it), so it stays
+def test_process_group_stays_after_evaluation_and_a_later_fit_works(runs: Path, tag: str) -> None:
+    # the group lightspeed created stays up after a run (ZeRO-3 modules stay partitioned over it, and the user's own
+    # torch.distributed calls use it); it is destroyed at interpreter exit (tests/strategies/test_zero_clean_exit.py)
     for name in NAMES:
-        assert _facts(runs, tag, name)["group_after_validate"] is name.startswith("zero3"), name
+        assert _facts(runs, tag, name)["group_after_validate"] is True, name
     refit = json.loads((runs / tag / "refit.json").read_text())
     assert refit["global_step"] == 2 and refit["val_loss"] > 0

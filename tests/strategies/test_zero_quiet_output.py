@@ -41,8 +41,10 @@ def test_only_actionable_warnings_remain(output: str) -> None:
         matched = [kind for kind, pattern in KINDS.items() if pattern.search(line)]
         assert matched, f"unexpected warning line: {line}"
         kinds.append(matched[0])
-    assert sorted(kinds) == sorted(KINDS), lines  # each remaining kind exactly once
-    assert len(lines) <= 4
+    # each known kind at most once (DeepSpeed's accelerator line only where DeepSpeed picks the accelerator itself);
+    # Lightning's actionable notice about padded evaluation is always there
+    assert len(kinds) == len(set(kinds)), lines
+    assert "lightning-distributed-sampler-test" in kinds, lines
 
 
 def test_no_deprecation_flood(output: str) -> None:
