@@ -37,11 +37,6 @@ def take_ownership() -> None:
         _hook_registered = True
 
 
-def owns_group() -> bool:
-    """True while the default process group exists and lightspeed created it."""
-    return _owned and group_is_initialized()
-
-
 def destroy_owned_group() -> None:
     """Destroy the default process group if lightspeed created it, and reset DeepSpeed's communication state so the
     next ``deepspeed.init_distributed`` (the next ``fit``/``validate``) creates everything afresh."""
