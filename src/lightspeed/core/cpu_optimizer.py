@@ -23,9 +23,15 @@ class UnsupportedOffloadOptimizerError(TypeError):
     """The optimizer has no CPU implementation in DeepSpeed."""
 
 
+#: DeepSpeed's CPU optimizers; under offload DeepSpeed accepts only the ones in ``_FORCED_BY_DEEPSPEED`` unless
+#: ``zero_force_ds_cpu_optimizer`` is false
+_DEEPSPEED_CPU_OPTIMIZERS = frozenset({"DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion"})
+_FORCED_BY_DEEPSPEED = frozenset({"DeepSpeedCPUAdam", "DeepSpeedCPULion"})
+
+
 def is_deepspeed_cpu_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """True for DeepSpeed's own CPU optimizers (CPU Adam, Adagrad, Lion), which need no conversion."""
-    return type(optimizer).__name__ in {"DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion"}
+    return type(optimizer).__name__ in _DEEPSPEED_CPU_OPTIMIZERS
 
 
 #: torch optimizers that cannot run on ZeRO's offloaded partitions at all -> why, and what to use instead
@@ -96,6 +102,27 @@ def to_deepspeed_cpu_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.
     if _adagrad_convertible(optimizer):
         return to_deepspeed_cpu_adagrad(optimizer)
     return optimizer
+
+
+def prepare_offloaded_optimizer(
+    optimizer: torch.optim.Optimizer, config: dict[str, Any]
+) -> tuple[torch.optim.Optimizer, str | None]:
+    """The optimizer an optimizer-offloading DeepSpeed config runs, and the one log line saying what changed.
+
+    Converts through :func:`to_deepspeed_cpu_optimizer`; for an optimizer that runs unfused, sets
+    ``zero_force_ds_cpu_optimizer: false`` in ``config`` (unless the user set it), without which DeepSpeed refuses
+    any optimizer but its own CPU ones under offload. The caller retargets its LR scheduler when the optimizer
+    changed (:func:`retarget_lr_scheduler`).
+    """
+    converted = to_deepspeed_cpu_optimizer(optimizer)
+    message = None
+    if converted is not optimizer:
+        message = describe_conversion(optimizer, converted)
+    elif runs_unfused(optimizer):
+        message = describe_unfused(optimizer)
+    if type(converted).__name__ not in _FORCED_BY_DEEPSPEED:
+        config.setdefault("zero_force_ds_cpu_optimizer", False)
+    return converted, message
 
 
 def runs_unfused(optimizer: torch.optim.Optimizer) -> bool:

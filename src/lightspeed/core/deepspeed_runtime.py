@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightspeed.core.deepspeed_config.errors import DeepSpeedConfigError
+
 DEVICE_KINDS = ("cpu", "cuda")
 TORCH_EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
 
@@ -102,6 +104,23 @@ def use_deepspeed_accelerator(kind: str) -> None:
         from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
         real_accelerator.set_accelerator(CUDA_Accelerator())
+
+
+def check_precision_supported(kind: str, precision: str) -> None:
+    """Refuse a Lightning ``precision`` that DeepSpeed cannot train in on device ``kind`` (``"cpu"``/``"cuda"``)."""
+    import torch
+
+    if kind == "cpu" and precision in ("16-mixed", "16-true"):
+        raise DeepSpeedConfigError(
+            f"`precision={precision!r}` needs a CUDA GPU: DeepSpeed's CPU accelerator trains in float32 or "
+            "bfloat16. Use `precision='bf16-mixed'` or `'32-true'` on the CPU."
+        )
+    if kind == "cuda" and precision.startswith("bf16") and torch.cuda.is_available():
+        if not torch.cuda.is_bf16_supported():
+            raise DeepSpeedConfigError(
+                f"`precision={precision!r}` needs a GPU with bfloat16 support (Ampere or newer); this GPU has "
+                "none. Use `precision='16-mixed'` or `'32-true'`."
+            )
 
 
 def deepspeed_device_rank(device_index: int | None, local_rank: int) -> int:

@@ -37,13 +37,8 @@ from typing_extensions import override
 
 from lightspeed.core import atomic_dir
 from lightspeed.core.checkpoint.errors import CheckpointError
-from lightspeed.core.cpu_optimizer import (
-    describe_conversion,
-    describe_unfused,
-    is_deepspeed_cpu_optimizer,
-    retarget_lr_scheduler,
-    to_deepspeed_cpu_optimizer,
-)
+from lightspeed.core.checkpoint.staged_save import StagedCheckpointSaver
+from lightspeed.core.cpu_optimizer import prepare_offloaded_optimizer, retarget_lr_scheduler
 from lightspeed.core.deepspeed_config import (
     DeepSpeedConfigError,
     ZeroTuning,
@@ -56,6 +51,7 @@ from lightspeed.core.deepspeed_config import (
 )
 from lightspeed.core.deepspeed_runtime import (
     async_io_problem,
+    check_precision_supported,
     deepspeed_device_rank,
     export_deepspeed_accelerator,
     use_deepspeed_accelerator,
@@ -161,7 +157,7 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         self.config = deepspeed_config
         self._train_engine: deepspeed.DeepSpeedEngine | None = None
         self._config_logged = False
-        self._swept_staging = False
+        self._saver = StagedCheckpointSaver()
         self._failed = False  # set by on_exception, read by teardown
 
     # ------------------------------------------------------------------ properties
@@ -207,23 +203,9 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         # Runs in Trainer.__init__, before launching: the right place for checks that must fail early and for the
         # environment every rank inherits.
         kind = self._device_kind()
-        self._check_precision_supported(kind)
+        check_precision_supported(kind, self.precision_plugin.precision)
         export_deepspeed_accelerator(kind)
         super()._configure_launcher()
-
-    def _check_precision_supported(self, kind: str) -> None:
-        precision = self.precision_plugin.precision
-        if kind == "cpu" and precision in ("16-mixed", "16-true"):
-            raise DeepSpeedConfigError(
-                f"`precision={precision!r}` needs a CUDA GPU: DeepSpeed's CPU accelerator trains in float32 or "
-                "bfloat16. Use `precision='bf16-mixed'` or `'32-true'` on the CPU."
-            )
-        if kind == "cuda" and precision.startswith("bf16") and torch.cuda.is_available():
-            if not torch.cuda.is_bf16_supported():
-                raise DeepSpeedConfigError(
-                    f"`precision={precision!r}` needs a GPU with bfloat16 support (Ampere or newer); this GPU has "
-                    "none. Use `precision='16-mixed'` or `'32-true'`."
-                )
 
     # ------------------------------------------------------------------ process setup
     @override
@@ -291,17 +273,12 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         optimizer = optimizers[0]
         scheduler = schedulers[0] if schedulers else None
         if self.offloads_optimizer:
-            converted = to_deepspeed_cpu_optimizer(optimizer)
-            if converted is not optimizer:
-                rank_zero_info(describe_conversion(optimizer, converted))
-                if scheduler is not None:
-                    retarget_lr_scheduler(scheduler.scheduler, converted)
-                optimizer = converted
-            elif not is_deepspeed_cpu_optimizer(optimizer):
-                rank_zero_info(describe_unfused(optimizer))
-            if type(optimizer).__name__ not in ("DeepSpeedCPUAdam", "DeepSpeedCPULion"):
-                # DeepSpeed refuses any other optimizer under offload unless told that it may run it on the CPU
-                self.config.setdefault("zero_force_ds_cpu_optimizer", False)
+            converted, message = prepare_offloaded_optimizer(optimizer, self.config)
+            if message is not None:
+                rank_zero_info(message)
+            if converted is not optimizer and scheduler is not None:
+                retarget_lr_scheduler(scheduler.scheduler, converted)
+            optimizer = converted
         return optimizer, scheduler
 
     @override
@@ -399,16 +376,8 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
                 "writes the checkpoint files itself."
             )
         filepath = self.broadcast(str(filepath))
-        staging = atomic_dir.staging_path(filepath)
 
-        def prepare() -> None:
-            if self.is_global_zero:
-                if not self._swept_staging:  # leftovers of saves that crashed in an earlier run
-                    atomic_dir.remove_stale_staging(staging.parent)
-                    self._swept_staging = True
-                atomic_dir.prepare_staging(filepath)
-
-        def write() -> None:
+        def write(staging: Path) -> None:
             client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             self.deepspeed_engine.save_checkpoint(
                 str(staging),
@@ -417,35 +386,19 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
                 exclude_frozen_parameters=self.exclude_frozen_parameters,
             )
 
-        def commit() -> None:
-            if self.is_global_zero:
-                (staging / RESOLVED_CONFIG_FILENAME).write_text(describe_config(self.config))
-                atomic_dir.commit(
-                    filepath,
-                    manifest={
-                        "writer": "lightspeed",
-                        "world_size": self.world_size,
-                        "zero_stage": self.stage,
-                        "tag": "checkpoint",
-                        "global_step": checkpoint.get("global_step"),
-                        "epoch": checkpoint.get("epoch"),
-                    },
-                )
-
-        what = f"Saving checkpoint {filepath!r}"
-        for phase in (prepare, write, commit):
-            # every rank raises when a phase failed anywhere: none is left waiting for one that hit a full disk
-            error: BaseException | None = None
-            try:
-                phase()
-            except Exception as err:  # noqa: BLE001 - re-raised on this rank, reported on the others
-                error = err
-            raise_on_every_rank(
-                error,
-                what,
-                others_message=f"{what} failed on another rank (its own error says why); the previous checkpoint "
-                "is untouched.",
-            )
+        self._saver.save(
+            filepath,
+            write,
+            manifest={
+                "writer": "lightspeed",
+                "world_size": self.world_size,
+                "zero_stage": self.stage,
+                "tag": "checkpoint",
+                "global_step": checkpoint.get("global_step"),
+                "epoch": checkpoint.get("epoch"),
+            },
+            extra_files={RESOLVED_CONFIG_FILENAME: describe_config(self.config)},
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
