@@ -1,7 +1,8 @@
 """The package's layering, read from the import statements of every module under ``src/lightspeed``:
 
 * ``core/`` knows nothing of Lightning and never imports the package root or a Lightning layer;
-* ``plugins/`` never imports strategies, callbacks or the CLI; ``strategies/`` never imports callbacks or the CLI;
+* ``plugins/`` never imports strategies, callbacks or the CLI; ``strategies/`` never imports callbacks, the CLI or
+  the Fabric layer; ``fabric/`` never imports callbacks, the CLI or the registry;
 * the module-level imports form no cycle;
 * no module outside ``tests/`` is named like a test file.
 """
@@ -55,6 +56,7 @@ def test_core_imports_neither_lightning_nor_the_lightning_layers(module: str) ->
         "lightspeed.cli",
         "lightspeed.registry",
         "lightspeed.export",
+        "lightspeed.fabric",
     )
     offending = [
         f"line {line}: {name}"
@@ -71,7 +73,11 @@ def test_core_imports_neither_lightning_nor_the_lightning_layers(module: str) ->
             "lightspeed.plugins",
             ("lightspeed.strategies", "lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry"),
         ),
-        ("lightspeed.strategies", ("lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry")),
+        (
+            "lightspeed.strategies",
+            ("lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry", "lightspeed.fabric"),
+        ),
+        ("lightspeed.fabric", ("lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry")),
     ],
 )
 def test_lower_layers_do_not_import_higher_ones(layer: str, forbidden: tuple[str, ...]) -> None:

@@ -9,10 +9,15 @@ from typing import Any
 import pytest
 
 import lightspeed
-from lightspeed import callbacks, plugins, strategies
+from lightspeed import callbacks, fabric, plugins, strategies
 
 PUBLIC_CLASSES = sorted(
-    {getattr(module, name) for module in (strategies, plugins, callbacks) for name in module.__all__},
+    {
+        getattr(module, name)
+        for module in (strategies, plugins, callbacks, fabric)
+        for name in module.__all__
+        if isinstance(getattr(module, name), type)
+    },
     key=lambda cls: cls.__qualname__,
 )
 
@@ -54,6 +59,9 @@ def test_the_public_classes_are_found() -> None:
         "XLAPrecision",
         "GatherForMetrics",
         "ZeroExport",
+        "ZeroFabricStrategy",
+        "ZeroAutoFabricStrategy",
+        "DDPExactFabricStrategy",
     } <= names
     assert lightspeed.strategies.ZeroStrategy in PUBLIC_CLASSES
 

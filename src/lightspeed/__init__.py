@@ -2,14 +2,16 @@
 packaged as Lightning strategies, plugins and callbacks.
 
 ``import lightspeed`` registers the strategy names (``zero1`` ... ``zero3_nvme``, ``zero_auto``, ``ddp_exact``,
-``xla_exact``), ``accelerator="xla"`` and the XLA precision routing with Lightning (:mod:`lightspeed.registry`).
+``xla_exact``) with the Trainer and Fabric, ``accelerator="xla"`` and the XLA precision routing with Lightning
+(:mod:`lightspeed.registry`).
 DeepSpeed and torch_xla are imported only when a run uses them.
 
-Public: the subpackages ``strategies``, ``plugins``, ``callbacks`` and ``export``, and the gather functions below.
+Public: the subpackages ``strategies``, ``plugins``, ``callbacks``, ``fabric`` and ``export``, and the gather
+functions below.
 ``lightspeed.core`` is internal.
 """
 
-from lightspeed import callbacks, export, plugins, strategies
+from lightspeed import callbacks, export, fabric, plugins, strategies
 from lightspeed._version import __version__
 from lightspeed.core.gather import (
     GatherError,
@@ -28,6 +30,7 @@ __all__ = [
     "__version__",
     "callbacks",
     "export",
+    "fabric",
     "gather_for_metrics",
     "gather_object",
     "pad_across_processes",

@@ -2,6 +2,8 @@
 
 * strategies: ``zero1`` ... ``zero3_nvme`` (:data:`~lightspeed.core.deepspeed_config.ZERO_PRESETS`), ``zero_auto``,
   ``ddp_exact``, ``xla_exact`` and ``single_xla_exact``;
+* the same ZeRO names, ``zero_auto`` and ``ddp_exact`` in Lightning Fabric's registry
+  (:func:`lightspeed.fabric.register_fabric_strategies`);
 * the accelerator: ``accelerator="xla"`` becomes lightspeed's :class:`~lightspeed.plugins.XLAAccelerator`;
 * the precision plugin: an ``accelerator="xla"`` run gets lightspeed's :class:`~lightspeed.plugins.XLAPrecision`
   and an XLA strategy (:mod:`lightspeed.strategies.xla_routing`), and Lightning's TPU probe no longer calls the
@@ -18,6 +20,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightspeed.core.deepspeed_config import ZERO_PRESETS
 from lightspeed.core.deepspeed_runtime import use_prebuilt_deepspeed_ops
+from lightspeed.fabric.registration import register_fabric_strategies
 from lightspeed.plugins.accelerators.xla import XLAAccelerator, quiet_lightning_tpu_probe
 from lightspeed.strategies.ddp_exact import DDPExactStrategy
 from lightspeed.strategies.xla import SingleDeviceXLAExactStrategy, XLAExactStrategy
@@ -29,7 +32,8 @@ __all__ = ["register_all"]
 
 
 def register_all() -> None:
-    """Register lightspeed's strategies, accelerator and precision routing with Lightning (idempotent)."""
+    """Register lightspeed's strategies (Trainer and Fabric), accelerator and precision routing with Lightning
+    (idempotent)."""
     use_prebuilt_deepspeed_ops()  # before DeepSpeed builds anything: the venv's prebuilt ops, not a rebuild
     for name, preset in ZERO_PRESETS.items():
         StrategyRegistry.register(
@@ -60,6 +64,7 @@ def register_all() -> None:
         description="One XLA device with exact gradient accumulation and casting XLAPrecision",
         override=True,
     )
+    register_fabric_strategies()
     AcceleratorRegistry.register("xla", XLAAccelerator, description=XLAAccelerator.__name__, override=True)
     install_xla_routing()
     quiet_lightning_tpu_probe()

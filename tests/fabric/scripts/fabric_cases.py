@@ -1,0 +1,255 @@
+"""Worker: hand-written Lightning Fabric loops under lightspeed's strategy names, on the ranks of one launch.
+
+usage: fabric_cases.py OUT_DIR SCENARIO[,SCENARIO...]
+Scenarios (each writes OUT_DIR/<scenario>.json and, for weights, OUT_DIR/<scenario>.pt from rank 0):
+  train:NAME          4 plain steps (AdamW, batch 4), ZeRO-3 names build the model under fabric.init_module()
+  accum:NAME          lightspeed.fabric.accumulate: the toy (w=0, x=1..8, y=2x, batch 2, steps 4, SGD 0.02), a
+                      10-batch epoch (steps 4) with mean losses and with num_items, a clipped window
+  resume:NAME         2 steps, fabric.save, 2 more steps; then a fresh Fabric loads and does the same 2 steps
+  errors:NAME         two optimizers, clip_gradients(clip_val=...), a config contradicting Fabric's precision;
+                      ZeRO-3: a module deep-copied under fabric.init_module()
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightspeed
+from _support.models import full_state_dict, make_net, make_regression_data
+
+TOY_LR, ACCUM_LR, CLIP = 0.02, 0.05, 0.05
+
+
+def make_fabric(name: str, precision: str = "32-true", strategy: Any = None) -> L.Fabric:
+    fabric = L.Fabric(
+        strategy=strategy if strategy is not None else name, accelerator="cpu", devices=2, precision=precision
+    )
+    fabric.launch()
+    return fabric
+
+
+def engine_module(model: Any) -> nn.Module:
+    inner = model._forward_module
+    return inner.module if hasattr(inner, "module") else inner
+
+
+def weights_of(model: Any) -> dict[str, torch.Tensor]:
+    return full_state_dict(engine_module(model))
+
+
+def inner_optimizer_name(optimizer: Any) -> str:
+    opt = optimizer.optimizer  # what Fabric wraps: DeepSpeed's ZeRO optimizer (or the torch one)
+    return type(getattr(opt, "optimizer", opt)).__name__
+
+
+# ----------------------------------------------------------------------------------------------------- train
+def scenario_train(name: str, out: Path) -> tuple[dict, dict]:
+    fabric = make_fabric(name)
+    sharded = name.startswith("zero3")
+    if sharded:
+        with fabric.init_module():
+            model = make_net()
+        partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
+    else:
+        model = make_net()
+        partitioned = False
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(make_regression_data(), batch_size=4, shuffle=True))
+    for step, (x, y) in enumerate(loader):
+        if step == 4:
+            break
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    meta = {
+        "world_size": fabric.world_size,
+        "optimizer": inner_optimizer_name(optimizer),
+        "stage": fabric.strategy.config["zero_optimization"]["stage"],
+        "sharded_init": partitioned,
+        "offload": sorted(k for k in fabric.strategy.config["zero_optimization"] if k.startswith("offload")),
+    }
+    chosen = getattr(fabric.strategy, "chosen_option", None)
+    if chosen is not None:
+        meta["chosen"] = {"stage": chosen.stage, "offload_optimizer": chosen.offload_optimizer}
+    return meta, weights_of(model)
+
+
+# ----------------------------------------------------------------------------------------------------- accum
+def toy_data() -> TensorDataset:
+    x = torch.arange(1, 9, dtype=torch.float32).reshape(8, 1)
+    return TensorDataset(x, 2 * x)
+
+
+def accum_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 3, generator=gen)
+    y = torch.randn(40, 1, generator=gen)
+    items = torch.randint(1, 5, (40,), generator=gen).float()
+    return TensorDataset(x, y, items)
+
+
+def linear(features: int, zero: bool) -> nn.Linear:
+    torch.manual_seed(3)
+    layer = nn.Linear(features, 1, bias=not zero)
+    if zero:
+        nn.init.zeros_(layer.weight)
+    return layer
+
+
+def run_accumulation(name: str, data: TensorDataset, model: nn.Module, lr: float, mode: str) -> dict:
+    fabric = make_fabric(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=2, shuffle=False))
+    steps, factors, windows, syncs = 0, [], [], []
+    inner = model._forward_module  # DDP or DeepSpeed's engine
+    for batch, step in lightspeed.fabric.accumulate(fabric, model, loader, steps=4):
+        x, y = batch[0], batch[1]
+        pred = model(x)
+        # will this micro-batch's backward reduce gradients across ranks?
+        if hasattr(inner, "require_backward_grad_sync"):
+            syncs.append(bool(inner.require_backward_grad_sync))
+        else:
+            syncs.append(bool(inner.is_gradient_accumulation_boundary()))
+        if mode == "items":
+            items = batch[2]
+            loss = ((pred - y).pow(2).squeeze(1) * items).sum()
+            step.backward(loss, num_items=items.sum())
+        else:
+            step.backward(nn.functional.mse_loss(pred, y))
+        if step.sync_gradients:
+            if mode == "clip":
+                fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+            factors.append(step.factor)
+            windows.append(step.position + 1)
+    return {
+        "steps": steps,
+        "factors": factors,
+        "window_sizes": windows,
+        "syncs": syncs,
+        "weights": {k: v.flatten().tolist() for k, v in weights_of(model).items()},
+    }
+
+
+def scenario_accum(name: str, out: Path) -> tuple[dict, None]:
+    return {
+        "toy": run_accumulation(name, toy_data(), linear(1, zero=True), TOY_LR, "mean"),
+        "mean": run_accumulation(name, accum_data(), linear(3, zero=False), ACCUM_LR, "mean"),
+        "items": run_accumulation(name, accum_data(), linear(3, zero=False), ACCUM_LR, "items"),
+        "clip": run_accumulation(name, accum_data(), linear(3, zero=False), ACCUM_LR, "clip"),
+    }, None
+
+
+# ----------------------------------------------------------------------------------------------------- resume
+def resume_part(name: str, ckpt: Path, load: bool) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    fabric = make_fabric(name)
+    model = make_net(seed=5 if load else 0)  # the resumed run starts from other weights: the load must restore them
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(make_regression_data(), batch_size=4, shuffle=False))
+    batches = list(loader)
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    info: dict[str, Any] = {}
+    if load:
+        remainder = fabric.load(ckpt, state)
+        info["loaded_step"] = state["step"]
+        info["remainder_keys"] = sorted(remainder)
+    saved = None
+    for index in range(4):
+        if index < state["step"]:
+            continue
+        if index == 2 and not load:
+            state["step"] = 2
+            fabric.save(ckpt, state)
+            saved = weights_of(model)
+        x, y = batches[index]
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    info["optimizer"] = inner_optimizer_name(optimizer)
+    return info, weights_of(model), saved or {}
+
+
+def scenario_resume(name: str, out: Path) -> tuple[dict, dict]:
+    ckpt = out / f"ckpt_{name}"
+    first, straight, at_save = resume_part(name, ckpt, load=False)
+    second, resumed, _ = resume_part(name, ckpt, load=True)
+    meta = {"first": first, "second": second, "ckpt": str(ckpt)}
+    weights = {f"straight.{k}": v for k, v in straight.items()}
+    weights.update({f"resumed.{k}": v for k, v in resumed.items()})
+    weights.update({f"saved.{k}": v for k, v in at_save.items()})
+    return meta, weights
+
+
+# ----------------------------------------------------------------------------------------------------- errors
+def error_of(fn: Any) -> dict:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the test compares type and message
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None, "message": None}
+
+
+def scenario_errors(name: str, out: Path) -> tuple[dict, None]:
+    result: dict[str, Any] = {}
+    fabric = make_fabric(name)
+    model = make_net()
+    opt_a = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model.parameters(), lr=0.1)
+    result["two_optimizers"] = error_of(lambda: fabric.setup(model, opt_a, opt_b))
+
+    fabric = make_fabric(name)
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = make_regression_data(4).tensors
+    fabric.backward(nn.functional.mse_loss(model(x), y))
+    result["clip_by_value"] = error_of(lambda: fabric.clip_gradients(model, optimizer, clip_val=1.0))
+
+    if name.startswith("zero3"):
+        fabric = make_fabric(name)
+        with fabric.init_module():  # nn.TransformerEncoder deep-copies its layer: the copies lose their partition
+            encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1)
+        opt = torch.optim.SGD(encoder.parameters(), lr=0.1)
+        result["deepcopy_under_init_module"] = error_of(lambda: fabric.setup(encoder, opt))
+
+    strategy = lightspeed.fabric.ZeroFabricStrategy(stage=2, config={"bf16": {"enabled": True}})
+    result["precision_mismatch"] = error_of(lambda: make_fabric(name, precision="32-true", strategy=strategy))
+    return result, None
+
+
+SCENARIOS = {"train": scenario_train, "accum": scenario_accum, "resume": scenario_resume, "errors": scenario_errors}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    for spec in sys.argv[2].split(","):
+        kind, _, name = spec.partition(":")
+        label = f"{kind}_{name}"
+        try:
+            meta, weights = SCENARIOS[kind](name, out)
+        except Exception:
+            meta, weights = {"crash": traceback.format_exc()}, None
+            print(meta["crash"], file=sys.stderr)
+        if torch.distributed.get_rank() == 0:
+            (out / f"{label}.json").write_text(json.dumps(meta, indent=1))
+            if weights is not None:
+                torch.save(weights, out / f"{label}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""lightspeed under Lightning Fabric, in real 2- and 3-rank CPU runs (gloo): every ZeRO stage with and without
+offload equals a single-process loop, exact accumulation (the toy ends at w = 2.04; a short last window weighs
+2/2), num_items weighting, clipping, crash-safe save/load with exact resume and export, gather_for_metrics on
+3 ranks, and the bad-input errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import DistributedSampler, TensorDataset
+
+import lightspeed
+from _support.launch import REPO_ROOT, child_env, run_torchrun
+from _support.models import make_net, make_regression_data, reference_training
+from lightspeed.core import atomic_dir
+from lightspeed.core.deepspeed_config import ZERO_PRESETS, DeepSpeedConfigError
+from lightspeed.export import export_checkpoint
+
+SCRIPTS = REPO_ROOT / "tests" / "fabric" / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import fabric_cases  # noqa: E402  (the worker's data and models, so the references use the same ones)
+
+TRAIN_NAMES = [
+    "zero1",
+    "zero1_offload",
+    "zero2",
+    "zero2_offload",
+    "zero3",
+    "zero3_offload_optimizer",
+    "zero3_offload",
+    "zero_auto",
+]
+ACCUM_NAMES = ["ddp_exact", "zero1", "zero2", "zero3"]
+RESUME_NAMES = ["zero2", "zero3_offload"]
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fabric_cases")
+    specs = (
+        [f"train:{n}" for n in TRAIN_NAMES]
+        + [f"accum:{n}" for n in ACCUM_NAMES]
+        + [f"resume:{n}" for n in RESUME_NAMES]
+        + ["errors:zero2", "errors:zero3"]
+    )
+    run_torchrun(SCRIPTS / "fabric_cases.py", WORLD, [out, ",".join(specs)], timeout=600)
+    return out
+
+
+def _meta(out: Path, label: str) -> dict:
+    meta = json.loads((out / f"{label}.json").read_text())
+    assert "crash" not in meta, meta.get("crash")
+    return meta
+
+
+# --------------------------------------------------------------------------------------------- registration
+def test_every_strategy_name_is_registered_with_fabric(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    monkeypatch.setenv("LIGHTSPEED_NVME_PATH", str(tmp_path))  # zero3_nvme needs a swap directory
+
+    for name, preset in ZERO_PRESETS.items():
+        strategy = STRATEGY_REGISTRY.get(name)
+        assert type(strategy) is lightspeed.fabric.ZeroFabricStrategy
+        assert strategy.stage == preset.stage
+        assert strategy.offloads_optimizer == (preset.offload_optimizer != "none")
+    assert type(STRATEGY_REGISTRY.get("zero_auto")) is lightspeed.fabric.ZeroAutoFabricStrategy
+    assert type(STRATEGY_REGISTRY.get("ddp_exact")) is lightspeed.fabric.DDPExactFabricStrategy
+
+
+# --------------------------------------------------------------------------------------------- equivalence
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    return {k.removeprefix("net."): v for k, v in reference_training(steps=4, world_size=WORLD, batch=4).items()}
+
+
+@pytest.mark.parametrize("name", TRAIN_NAMES)
+def test_zero_loop_matches_single_process(cases: Path, reference: dict[str, torch.Tensor], name: str) -> None:
+    meta = _meta(cases, f"train_{name}")
+    weights = torch.load(cases / f"train_{name}.pt")
+    assert meta["world_size"] == WORLD
+    # zero_auto: what it chose from this machine's memory
+    preset = meta["chosen"] if name == "zero_auto" else vars(ZERO_PRESETS[name])
+    assert meta["stage"] == preset["stage"]
+    assert sorted(weights) == sorted(reference)
+    for key, expected in reference.items():
+        diff = (weights[key] - expected).abs().max().item()
+        assert diff <= 1e-5, f"{name}: {key} differs from the single-process loop by {diff:.3e}"
+    initial = make_net().state_dict()
+    assert (weights["0.weight"] - initial["0.weight"]).abs().max() > 1e-3  # it trained
+    offloaded = preset["offload_optimizer"] != "none"
+    assert meta["optimizer"] == ("DeepSpeedCPUAdam" if offloaded else "AdamW")  # CPU optimizer conversion
+    assert meta["sharded_init"] == name.startswith("zero3")  # fabric.init_module() partitioned the model
+
+
+# --------------------------------------------------------------------------------------------- accumulation
+def _rank_micro_batches(n: int, batch: int) -> list[list[list[int]]]:
+    """Per rank, the index lists of its micro-batches, as Fabric's DistributedSampler (no shuffling) gives them."""
+    out = []
+    for rank in range(WORLD):
+        indices = list(DistributedSampler(range(n), num_replicas=WORLD, rank=rank, shuffle=False))
+        out.append([indices[i : i + batch] for i in range(0, len(indices), batch)])
+    return out
+
+
+def _windowed_reference(
+    data: TensorDataset, model: nn.Linear, lr: float, mode: str, steps: int = 4, short_weight: str = "real"
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """One epoch of plain single-process SGD, one step per window on every sample the window saw on all ranks.
+
+    ``short_weight="per_window"`` is the inexact rule (each micro-batch weighs 1/steps, so a short window counts
+    ``len/steps``), used to show that the test tells the two apart."""
+    micro = _rank_micro_batches(len(data), batch=2)
+    per_rank = len(micro[0])
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    sizes = []
+    for start in range(0, per_rank, steps):
+        window = [i for rank in micro for mb in rank[start : start + steps] for i in mb]
+        sizes.append(min(steps, per_rank - start))
+        x, y = data.tensors[0][window], data.tensors[1][window]
+        optimizer.zero_grad()
+        error = (model(x) - y).pow(2).squeeze(1)
+        if mode == "items":
+            loss = (error * data.tensors[2][window]).sum() / data.tensors[2][window].sum()
+        else:
+            loss = error.mean()
+        if short_weight == "per_window":
+            loss = loss * sizes[-1] / steps
+        loss.backward()
+        if mode == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), fabric_cases.CLIP)
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, sizes
+
+
+def _assert_weights(got: dict[str, list[float]], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        diff = (torch.tensor(got[key]) - value.flatten()).abs().max().item()
+        assert diff <= 1e-6, f"{what}: {key} differs from the single-process reference by {diff:.3e}"
+
+
+@pytest.mark.parametrize("name", ACCUM_NAMES)
+def test_accumulation_toy_ends_at_2_04(cases: Path, name: str) -> None:
+    toy = _meta(cases, f"accum_{name}")["toy"]
+    expected, sizes = _windowed_reference(
+        fabric_cases.toy_data(), fabric_cases.linear(1, True), fabric_cases.TOY_LR, "mean"
+    )
+    _assert_weights(toy["weights"], expected, f"{name} toy")
+    assert toy["weights"]["weight"][0] == pytest.approx(2.04, abs=1e-5)
+    assert toy["steps"] == 1 and toy["window_sizes"] == sizes == [2]  # 2 micro-batches per rank: one short window
+
+
+@pytest.mark.parametrize("name", ACCUM_NAMES)
+@pytest.mark.parametrize("mode", ["mean", "items", "clip"])
+def test_accumulation_short_last_window_items_and_clipping(cases: Path, name: str, mode: str) -> None:
+    run = _meta(cases, f"accum_{name}")[mode]
+    data = fabric_cases.accum_data()
+    expected, sizes = _windowed_reference(data, fabric_cases.linear(3, False), fabric_cases.ACCUM_LR, mode)
+    assert sizes == [4, 4, 2]  # a 10-batch epoch with accumulation 4
+    assert run["steps"] == 3 and run["window_sizes"] == sizes
+    # gradients are reduced only on each window's last micro-batch (DDP no_sync / the engine's boundary)
+    assert run["syncs"] == [False, False, False, True] * 2 + [False, True]
+    _assert_weights(run["weights"], expected, f"{name} {mode}")
+    if mode == "mean":
+        assert run["factors"] == [WORLD / 16, WORLD / 16, WORLD / 8]  # W / T: the last window weighs 2/2
+        inexact, _ = _windowed_reference(
+            data, fabric_cases.linear(3, False), fabric_cases.ACCUM_LR, mode, short_weight="per_window"
+        )
+        gap = max((torch.tensor(run["weights"][k]) - v.flatten()).abs().max().item() for k, v in inexact.items())
+        assert gap > 1e-3  # weighting the short window 2/4 would give visibly other weights
+
+
+# --------------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("name", RESUME_NAMES)
+def test_save_load_resumes_exactly_and_exports(cases: Path, tmp_path: Path, name: str) -> None:
+    meta = _meta(cases, f"resume_{name}")
+    weights = torch.load(cases / f"resume_{name}.pt")
+    assert meta["second"]["loaded_step"] == 2
+    straight = {k.removeprefix("straight."): v for k, v in weights.items() if k.startswith("straight.")}
+    resumed = {k.removeprefix("resumed."): v for k, v in weights.items() if k.startswith("resumed.")}
+    saved = {k.removeprefix("saved."): v for k, v in weights.items() if k.startswith("saved.")}
+    assert sorted(straight) == sorted(resumed) == sorted(saved) == sorted(make_net().state_dict())
+    for key in straight:
+        diff = (straight[key] - resumed[key]).abs().max().item()
+        assert diff <= 1e-6, f"{name}: resumed {key} differs from the uninterrupted run by {diff:.3e}"
+        assert not torch.equal(saved[key], straight[key])  # the steps after the save changed the weights
+
+    ckpt = Path(meta["ckpt"])
+    assert atomic_dir.is_complete(ckpt)  # committed through staging, with lightspeed's marker
+    assert json.loads((ckpt / "ds_config.json").read_text())["zero_optimization"]["stage"] == ZERO_PRESETS[name].stage
+    assert not atomic_dir.staging_path(ckpt).exists()
+
+    export_checkpoint(ckpt, tmp_path / "export", max_shard_size=None)
+    exported = {}
+    for file in sorted((tmp_path / "export").glob("*.safetensors")):
+        exported.update(load_file(file))
+    assert sorted(exported) == sorted(saved)
+    for key, value in saved.items():
+        assert (exported[key] - value).abs().max().item() <= 1e-6
+
+
+def test_cli_export_reads_what_fabric_save_wrote(cases: Path, tmp_path: Path) -> None:
+    ckpt = Path(_meta(cases, "resume_zero2")["ckpt"])
+    out = tmp_path / "cli_export"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightspeed.cli.main", "export", str(ckpt), str(out)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    saved = {k.removeprefix("saved."): v for k, v in torch.load(cases / "resume_zero2.pt").items() if "saved." in k}
+    exported = {}
+    for file in out.glob("*.safetensors"):
+        exported.update(load_file(file))
+    assert sorted(exported) == sorted(saved)
+
+
+def test_load_refuses_an_interrupted_save(tmp_path: Path) -> None:
+    strategy = lightspeed.fabric.ZeroFabricStrategy(stage=2)
+    target = tmp_path / "ckpt"
+    atomic_dir.prepare_staging(target)  # a save that never committed
+    with pytest.raises(atomic_dir.IncompleteCheckpointError, match="not a directory"):
+        strategy.load_checkpoint(target, state={"model": nn.Linear(1, 1)})
+
+
+# --------------------------------------------------------------------------------------------- metrics
+def test_gather_for_metrics_drops_exactly_the_padding_on_3_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "metrics.json"
+    run_torchrun(SCRIPTS / "fabric_metrics.py", 3, [out, "ddp_exact,zero3"], timeout=600)
+    results = json.loads(out.read_text())
+    data = make_regression_data(7)
+    with torch.no_grad():
+        expected_pred = make_net()(data.tensors[0])
+    expected_mse = nn.functional.mse_loss(expected_pred, data.tensors[1]).item()
+    for name, result in results.items():
+        assert result["rows_per_rank"] == [3, 3, 3], name  # 9 rows evaluated: the sampler padded 2 duplicates
+        assert result["ids"] == list(range(7)), name  # exactly the 7 real samples, once each
+        assert torch.allclose(torch.tensor(result["pred"]), expected_pred, atol=1e-6), name
+        assert result["mse"] == pytest.approx(expected_mse, abs=1e-6), name
+
+
+# --------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_two_optimizers_and_clip_by_value_are_refused(cases: Path, name: str) -> None:
+    errors = _meta(cases, f"errors_{name}")
+    assert errors["two_optimizers"] == {
+        "type": "DeepSpeedConfigError",
+        "message": "ZeRO strategies train with exactly one optimizer, but `fabric.setup` got 2 optimizers. Use one "
+        "optimizer with several param groups (each group can have its own lr and weight_decay).",
+    }
+    assert errors["clip_by_value"] == {
+        "type": "DeepSpeedConfigError",
+        "message": "`fabric.clip_gradients(clip_val=1.0)` clips each gradient element by value, which DeepSpeed's "
+        "ZeRO optimizers cannot do (they only clip the norm of the partitioned gradients). Use "
+        "`fabric.clip_gradients(model, optimizer, max_norm=1.0)`.",
+    }
+    mismatch = errors["precision_mismatch"]
+    assert mismatch["type"] == "DeepSpeedConfigError"
+    assert 'bf16.enabled=true in the DeepSpeed config, but Fabric(precision="32-true")' in mismatch["message"]
+    assert "Trainer" not in mismatch["message"]
+
+
+def test_keyword_the_fabric_strategy_does_not_take() -> None:
+    with pytest.raises(TypeError) as info:
+        lightspeed.fabric.ZeroFabricStrategy(stage=3, sync_with_dataloader=False, offload_params_device="nvme")
+    message = str(info.value)
+    assert message.startswith("ZeroFabricStrategy does not take `offload_params_device`, `sync_with_dataloader`.")
+    assert "`offload_params_device`: use `offload_parameters='cpu'` or `offload_parameters='nvme'`" in message
+    assert "`sync_with_dataloader`: it is how the Trainer's loop ends an epoch; in a Fabric loop use " in message
+    with pytest.raises(TypeError, match="`stag`: not a keyword of ZeroFabricStrategy"):
+        lightspeed.fabric.ZeroFabricStrategy(stag=3)
+    with pytest.raises(DeepSpeedConfigError, match="zero_auto chooses `stage` itself"):
+        lightspeed.fabric.ZeroAutoFabricStrategy(stage=2)
+
+
+def test_config_typo_and_cpu_fp16_fail_before_launch() -> None:
+    with pytest.raises(DeepSpeedConfigError, match="stag"):
+        lightspeed.fabric.ZeroFabricStrategy(config={"zero_optimization": {"stag": 2}})
+    with pytest.raises(DeepSpeedConfigError, match="needs a CUDA GPU"):
+        L.Fabric(strategy="zero2", accelerator="cpu", devices=2, precision="16-mixed")
+
+
+def test_accumulate_argument_errors() -> None:
+    fabric = L.Fabric(strategy="ddp_exact", accelerator="cpu", devices=2)
+    with pytest.raises(ValueError, match=r"accumulate\(steps=...\) is the number of micro-batches"):
+        lightspeed.fabric.accumulate(fabric, nn.Linear(1, 1), [], steps=0)
+    with pytest.raises(TypeError, match="needs the model returned by fabric.setup"):
+        lightspeed.fabric.accumulate(fabric, nn.Linear(1, 1), [], steps=2)
+    lightning_deepspeed = L.Fabric(strategy="deepspeed_stage_2", accelerator="cpu", devices=2)
+    with pytest.raises(TypeError, match="needs lightspeed's ZeRO strategies for DeepSpeed"):
+        lightspeed.fabric.accumulate(lightning_deepspeed, nn.Linear(1, 1), [], steps=2)
+
+
+def test_a_module_deep_copied_under_sharded_init_is_refused(cases: Path) -> None:
+    error = _meta(cases, "errors_zero3")["deepcopy_under_init_module"]
+    assert error["type"] == "DeepSpeedConfigError"
+    assert error["message"].startswith("Parameters layers.0.self_attn.in_proj_weight, ")
+    assert "were built under `fabric.init_module()` with ZeRO-3 but lost their partition" in error["message"]
+    assert "Build the model outside `fabric.init_module()`" in error["message"]
