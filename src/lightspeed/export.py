@@ -6,6 +6,7 @@ from lightspeed.export import export_checkpoint, load_exported
 
 export_checkpoint("checkpoints/last.ckpt", "export/", dtype="bf16", max_shard_size="2GB")  # ZeRO directory
 export_checkpoint("checkpoints/epoch=3.ckpt", "export/")  # a file: single device, DDP or XLA
+export_checkpoint(["node0/last.ckpt", "node1/last.ckpt"], "export/")  # node-local: every node's directory
 load_exported(fresh_model, "export/")   # strict: every key must match
 ```
 
@@ -21,6 +22,7 @@ directory/``config.json`` written by ``save_pretrained``) ``config.json`` is wri
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ __all__ = ["CheckpointError", "ExportError", "ExportResult", "LoadResult", "expo
 
 
 def export_checkpoint(
-    ckpt: str | os.PathLike,
+    ckpt: str | os.PathLike | Sequence[str | os.PathLike],
     out: str | os.PathLike,
     *,
     dtype: str | torch.dtype = "fp32",
@@ -54,7 +56,9 @@ def export_checkpoint(
 
     Args:
         ckpt: the checkpoint directory (holding ``latest`` and a tag folder), a tag folder, or a ``.ckpt`` file
-            written by ``trainer.save_checkpoint`` without DeepSpeed (single device, DDP, XLA).
+            written by ``trainer.save_checkpoint`` without DeepSpeed (single device, DDP, XLA); or the list of every
+            node's directory of one node-local checkpoint (``ZeroStrategy(node_local_storage=True)``), e.g.
+            ``["node0/last.ckpt", "node1/last.ckpt"]``: the export equals that of a shared-filesystem checkpoint.
         out: output directory; must be missing or empty unless ``overwrite``. Written atomically.
         dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` for floating tensors (integer buffers keep their dtype).
             ZeRO: trainable weights come from the fp32 master copy, frozen ones from the training-dtype copy;

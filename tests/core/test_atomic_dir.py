@@ -90,3 +90,38 @@ def test_stale_staging_directories_are_swept(tmp_path: Path) -> None:
     removed = atomic_dir.remove_stale_staging(tmp_path, keep=current)
     assert removed == [crashed]
     assert current.is_dir() and not crashed.exists()
+
+
+def test_commit_records_file_sizes_and_a_truncated_file_is_reported(tmp_path: Path) -> None:
+    target = tmp_path / "model.ckpt"
+    staging = atomic_dir.prepare_staging(target)
+    (staging / "tag").mkdir()
+    (staging / "tag" / "shard_0.pt").write_bytes(b"x" * 100)
+    (staging / "tag" / "shard_1.pt").write_bytes(b"y" * 50)
+    atomic_dir.commit(target)
+    assert json.loads((target / atomic_dir.COMPLETE_MARKER).read_text())["files"] == {
+        "tag/shard_0.pt": 100,
+        "tag/shard_1.pt": 50,
+    }
+    atomic_dir.require_intact(target)
+    with (target / "tag" / "shard_0.pt").open("r+b") as f:
+        f.truncate(40)
+    (target / "tag" / "shard_1.pt").unlink()
+    assert atomic_dir.damaged_files(target) == [
+        "tag/shard_0.pt (40 bytes, 100 when written)",
+        "tag/shard_1.pt (missing)",
+    ]
+    with pytest.raises(atomic_dir.IncompleteCheckpointError) as error:
+        atomic_dir.require_intact(target)
+    assert str(error.value) == (
+        f"Checkpoint {str(target)!r} is damaged: tag/shard_0.pt (40 bytes, 100 when written), tag/shard_1.pt "
+        "(missing). It changed after it was written (a truncated copy, a full disk while copying, or a file "
+        "replaced). Resume from an earlier checkpoint."
+    )
+
+
+def test_a_marker_without_sizes_reads_as_intact(tmp_path: Path) -> None:
+    target = tmp_path / "old.ckpt"
+    target.mkdir()
+    (target / atomic_dir.COMPLETE_MARKER).write_text(json.dumps({"complete": True}))
+    assert atomic_dir.damaged_files(target) == []

@@ -27,6 +27,10 @@ one tensor. A single-file Lightning checkpoint (trainer.save_checkpoint without 
 XLA) is exported from its state_dict the same way; its optimizer states are never loaded. Keys are the
 LightningModule's state_dict() names; tied weights are written once and restored by
 lightspeed.export.load_exported. The output appears only when complete.
+
+A node-local checkpoint (ZeroStrategy(node_local_storage=True): each node kept its own ranks' files) is exported
+from every node's directory of one save, e.g. `lightspeed export node0/last.ckpt node1/last.ckpt OUT`; a node's
+directory or files missing is an error (exit 2) naming the node and its ranks.
 """
 
 
@@ -40,8 +44,10 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "checkpoint",
+        nargs="+",
         help="ZeRO checkpoint directory (e.g. checkpoints/last.ckpt), one of its tag "
-        "folders, or a single-file Lightning checkpoint",
+        "folders, or a single-file Lightning checkpoint; for a node-local checkpoint every node's directory "
+        "(node0/last.ckpt node1/last.ckpt ...)",
     )
     parser.add_argument("output", help="output directory (must be missing or empty unless --overwrite)")
     parser.add_argument(
@@ -119,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     options = _options(args)
     progress, bar = _progress_bar(not args.quiet and sys.stderr.isatty())
     try:
-        result = export_checkpoint_path(args.checkpoint, args.output, options, progress)
+        checkpoint = args.checkpoint[0] if len(args.checkpoint) == 1 else args.checkpoint
+        result = export_checkpoint_path(checkpoint, args.output, options, progress)
     finally:
         if bar is not None:
             bar.close()

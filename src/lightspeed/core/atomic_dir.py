@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 COMPLETE_MARKER = "lightspeed_complete.json"
-_STAGING_SUFFIX = ".lightspeed-staging"
-_REPLACED_SUFFIX = ".lightspeed-replaced"
+STAGING_SUFFIX = _STAGING_SUFFIX = ".lightspeed-staging"
+REPLACED_SUFFIX = _REPLACED_SUFFIX = ".lightspeed-replaced"
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -44,7 +44,8 @@ def commit(target: str | os.PathLike, manifest: dict[str, Any] | None = None) ->
     """Mark the staging directory complete and move it onto ``target`` (one process, after all ranks finished)."""
     target = Path(target)
     staging = staging_path(target)
-    record = {"complete": True, "time": time.time(), **(manifest or {})}
+    files = {str(p.relative_to(staging)): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()}
+    record = {"complete": True, "time": time.time(), **(manifest or {}), "files": files}
     marker_tmp = staging / (COMPLETE_MARKER + ".tmp")
     marker_tmp.write_text(json.dumps(record, indent=2, default=str))
     os.replace(marker_tmp, staging / COMPLETE_MARKER)
@@ -108,6 +109,35 @@ def require_complete(directory: str | os.PathLike) -> None:
         raise IncompleteCheckpointError(
             f"Checkpoint {str(directory)!r} has no {COMPLETE_MARKER!r}: it was not written completely (the save was "
             "interrupted, or it was not written by lightspeed). Resume from an earlier checkpoint instead."
+        )
+
+
+def damaged_files(directory: str | os.PathLike, include_missing: bool = True) -> list[str]:
+    """Files of a committed ``directory`` that are missing or whose size differs from the size recorded at commit
+    (a truncated or replaced shard), as ``"<name> (<what>)"``; empty for an intact directory or an old marker that
+    recorded no sizes. Sizes only: a same-size corruption is not detected (hashing big shards would cost minutes)."""
+    directory = Path(directory)
+    recorded = json.loads((directory / COMPLETE_MARKER).read_text()).get("files") or {}
+    problems = []
+    for name, size in recorded.items():
+        path = directory / name
+        if not path.is_file():
+            if include_missing:
+                problems.append(f"{name} (missing)")
+        elif path.stat().st_size != size:
+            problems.append(f"{name} ({path.stat().st_size} bytes, {size} when written)")
+    return problems
+
+
+def require_intact(directory: str | os.PathLike, include_missing: bool = True) -> None:
+    """:func:`require_complete`, and every file still has the size it had when committed (``include_missing=False``:
+    missing files are left to the reader, whose error says which rank's file is missing)."""
+    require_complete(directory)
+    problems = damaged_files(directory, include_missing)
+    if problems:
+        raise IncompleteCheckpointError(
+            f"Checkpoint {str(Path(directory))!r} is damaged: {', '.join(problems)}. It changed after it was written "
+            "(a truncated copy, a full disk while copying, or a file replaced). Resume from an earlier checkpoint."
         )
 
 

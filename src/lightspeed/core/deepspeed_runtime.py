@@ -106,6 +106,19 @@ def use_deepspeed_accelerator(kind: str) -> None:
         real_accelerator.set_accelerator(CUDA_Accelerator())
 
 
+def zero_device_kind(accelerator: object) -> str:
+    """``"cuda"`` or ``"cpu"`` for a Lightning accelerator (Trainer's or Fabric's, recognised by class name so that
+    core stays free of Lightning); any other accelerator is an error: ZeRO runs on CUDA and on the CPU only."""
+    names = {cls.__name__ for cls in type(accelerator).__mro__}
+    if "CUDAAccelerator" in names:
+        return "cuda"
+    if "CPUAccelerator" in names:
+        return "cpu"
+    raise DeepSpeedConfigError(
+        f"ZeRO strategies run on `accelerator='cuda'` or `accelerator='cpu'`, not on `{type(accelerator).__name__}`."
+    )
+
+
 def check_precision_supported(kind: str, precision: str) -> None:
     """Refuse a Lightning ``precision`` that DeepSpeed cannot train in on device ``kind`` (``"cpu"``/``"cuda"``)."""
     import torch

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lightspeed.core import atomic_dir
+from lightspeed.core.checkpoint.node_local import NodePosition
 from lightspeed.core.checkpoint.staged_save import StagedCheckpointSaver
 from lightspeed.core.cpu_optimizer import prepare_offloaded_optimizer, retarget_lr_scheduler
 from lightspeed.core.deepspeed_config import (
@@ -30,6 +31,7 @@ from lightspeed.core.deepspeed_config import (
     describe_config,
 )
 from lightspeed.core.deepspeed_runtime import async_io_problem, deepspeed_device_rank, use_deepspeed_accelerator
+from lightspeed.core.distributed import is_distributed
 
 __all__ = [
     "CHECKPOINT_TAG",
@@ -117,18 +119,30 @@ def save_zero_checkpoint(
     config: dict[str, Any],
     exclude_frozen_parameters: bool = False,
     manifest_extra: dict[str, Any] | None = None,
+    node: NodePosition | None = None,
 ) -> Path:
     """Write ``engine``'s (sharded) state plus ``client_state`` into ``target`` through a staging directory that is
     committed (completion marker, resolved config beside it) only once every rank wrote its files. A collective:
-    every rank calls it with the same ``target``."""
+    every rank calls it with the same ``target``. With ``node`` (node-local storage) every node commits its own
+    ``target`` (see :class:`StagedCheckpointSaver`)."""
 
     def write(staging: Path) -> None:
-        engine.save_checkpoint(
-            str(staging),
-            client_state=client_state,
-            tag=CHECKPOINT_TAG,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-        )
+        try:
+            engine.save_checkpoint(
+                str(staging),
+                client_state=client_state,
+                tag=CHECKPOINT_TAG,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
+        except OSError:
+            # A write error (a full disk) happens after DeepSpeed's last collective but before its final barrier,
+            # where the other ranks now wait: meet them there, so every rank reaches the saver's agreement at once
+            # instead of after the process-group timeout. (A failed collective, e.g. a dead peer, is not met.)
+            if is_distributed():
+                import torch.distributed as dist
+
+                dist.barrier()
+            raise
 
     manifest: dict[str, Any] = {
         "writer": "lightspeed",
@@ -137,7 +151,10 @@ def save_zero_checkpoint(
         "tag": CHECKPOINT_TAG,
     }
     manifest.update(manifest_extra or {})
-    return saver.save(target, write, manifest=manifest, extra_files={RESOLVED_CONFIG_FILENAME: describe_config(config)})
+    extra_files = {RESOLVED_CONFIG_FILENAME: describe_config(config)}
+    if node is not None:
+        extra_files["latest"] = CHECKPOINT_TAG  # DeepSpeed writes it on rank 0's node only; every node resumes
+    return saver.save(target, write, manifest=manifest, extra_files=extra_files, node=node)
 
 
 def check_loadable(path: str | os.PathLike[str]) -> str | None:

@@ -21,7 +21,7 @@ from lightspeed.core.checkpoint.errors import CheckpointError
 from lightspeed.core.checkpoint.torch_zip import RegionReader
 from lightspeed.core.checkpoint.zero_reader import TensorSource, ZeroCheckpoint, assemble, read_zero_checkpoint
 
-__all__ = ["DEEPSPEED_STATE_KEYS", "load_zero_weights", "read_client_state", "read_structure"]
+__all__ = ["DEEPSPEED_STATE_KEYS", "check_fits", "load_zero_weights", "read_client_state", "read_structure"]
 
 #: entries of DeepSpeed's model states files that are DeepSpeed's own, not the client state (Lightning's)
 DEEPSPEED_STATE_KEYS = frozenset(
@@ -147,3 +147,28 @@ def _copy(source: TensorSource, reader: RegionReader, target: torch.Tensor) -> C
     with torch.no_grad():
         target.data.copy_(value)
     return None
+
+
+def check_fits(module: torch.nn.Module, structure: ZeroCheckpoint, *, strict: bool = True) -> None:
+    """Raise one :class:`CheckpointError` listing every tensor of ``structure`` whose shape differs from the
+    module's (and, with ``strict``, the tensors only one side has); reads no tensor data."""
+    targets = _targets(module)
+    problems = []
+    for source in structure.tensors:
+        target = targets.get(source.name)
+        if target is None:
+            continue
+        model_shape = tuple(getattr(target, "ds_shape", target.shape))
+        if tuple(source.shape) != model_shape:
+            problems.append(f"{source.name}: {tuple(source.shape)} in the checkpoint, {model_shape} in the model")
+    if strict:
+        stored = {source.name for source in structure.tensors} | set(structure.aliases)
+        problems += [f"{name}: not in the model" for name in sorted(stored - set(targets))]
+        problems += [f"{name}: missing from the checkpoint" for name in sorted(_persistent_keys(module) - stored)]
+    if problems:
+        listing = "\n  ".join(problems)
+        raise CheckpointError(
+            f"Checkpoint {str(structure.files.tag_dir.parent)!r} is not a checkpoint of this model; "
+            f"{len(problems)} parameter(s) do not match:\n  {listing}\nResume from a checkpoint of the same model "
+            "(or load matching weights only with `model.strict_loading = False` outside `fit`)."
+        )

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.fabric.strategies.deepspeed import _get_deepspeed_engines_from_state, _validate_state_keys
@@ -53,7 +52,7 @@ from lightspeed.core.deepspeed_config import (
     find_hidden_size,
     resolve_config_with_notes,
 )
-from lightspeed.core.deepspeed_runtime import check_precision_supported, export_deepspeed_accelerator
+from lightspeed.core.deepspeed_runtime import check_precision_supported, export_deepspeed_accelerator, zero_device_kind
 from lightspeed.core.memory import (
     DEFAULT_SAFETY_MARGIN,
     Cluster,
@@ -273,14 +272,7 @@ class ZeroFabricStrategy(DeepSpeedStrategy):
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def _device_kind(self) -> str:
-        if isinstance(self.accelerator, CUDAAccelerator):
-            return "cuda"
-        if isinstance(self.accelerator, CPUAccelerator):
-            return "cpu"
-        raise DeepSpeedConfigError(
-            f"ZeRO strategies run on `accelerator='cuda'` or `accelerator='cpu'`, not on "
-            f"`{type(self.accelerator).__name__}`."
-        )
+        return zero_device_kind(self.accelerator)
 
     # ------------------------------------------------------------------ before any process starts
     @override

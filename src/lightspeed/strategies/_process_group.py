@@ -1,4 +1,10 @@
-"""The default process group that a ZeRO strategy created, and tearing it down with DeepSpeed's cached state.
+"""The default process group that a lightspeed strategy creates, and tearing it down with DeepSpeed's cached state.
+
+Creating it (:func:`init_process_group`, called by the ZeRO and ``ddp_exact`` strategies before Lightning or DeepSpeed
+would): the ``env://`` store gets a key prefix per ``torchrun`` restart attempt, so a restarted job never reads the
+peer addresses of the attempt that died, and every rank runs a heartbeat so that a collective that times out names
+the ranks that stopped answering (:func:`explain_timeout`, :mod:`lightspeed.core.hang_report`). The timeout is the
+strategy's ``timeout=`` (default 30 minutes, Lightning's), also for the groups DeepSpeed creates.
 
 A process group left alive until interpreter exit is destroyed while Python tears down its modules; gloo's (and
 NCCL's) native threads are then sometimes still running, and the process ends with ``terminate called without an
@@ -12,10 +18,25 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["destroy_owned_group", "group_is_initialized", "take_ownership"]
+from lightspeed.core import hang_report
+
+__all__ = [
+    "apply_timeout_to_deepspeed_groups",
+    "destroy_owned_group",
+    "explain_timeout",
+    "group_is_initialized",
+    "init_process_group",
+    "restart_prefix",
+    "set_position",
+    "take_ownership",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +61,14 @@ def take_ownership() -> None:
 def destroy_owned_group() -> None:
     """Destroy the default process group if lightspeed created it, and reset DeepSpeed's communication state so the
     next ``deepspeed.init_distributed`` (the next ``fit``/``validate``) creates everything afresh."""
-    global _owned
+    global _owned, _heartbeat
     if not _owned:
         return
     _owned = False
+    if _heartbeat is not None:
+        _heartbeat.stop()
+        _heartbeat = None
+    _monitor.clear()
     if not group_is_initialized():
         return
     try:
@@ -58,3 +83,91 @@ def destroy_owned_group() -> None:
         dist.destroy_process_group()
     ds_comm_state.cdb = None
     log.debug("lightspeed destroyed the default process group it created")
+
+
+# ---------------------------------------------------------------------------------------- creating the process group
+#: the process group's timeout when the strategy gets ``timeout=None`` (Lightning's default is the same)
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+def restart_prefix() -> str:
+    """Store prefix of this launch attempt: ``TORCHELASTIC_RESTART_COUNT`` under torchrun, else ``0``."""
+    return f"lightspeed/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def init_process_group(backend: str, rank: int, world_size: int, timeout: timedelta | None) -> None:
+    """Create the default process group over ``MASTER_ADDR:MASTER_PORT`` (the ``env://`` rendezvous), with every key
+    under a prefix of its own per restart attempt, and start this rank's heartbeat.
+
+    torchrun keeps one store for all attempts of a job; without the prefix, the workers of a restarted attempt can
+    read the peer addresses the dead attempt left there and hang or fail with ``connectFullMesh ... Connection
+    refused``. Does nothing when a default group exists. Callers set ``MASTER_ADDR``/``MASTER_PORT`` first.
+    """
+    global _heartbeat
+    if group_is_initialized():
+        return
+    timeout = timeout or DEFAULT_TIMEOUT
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    prefix = restart_prefix()
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size, timeout=timeout
+    )
+    take_ownership()
+    if world_size > 1:
+        interval = hang_report.heartbeat_interval(timeout)
+        client = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+        _monitor.update(
+            store=dist.PrefixStore(prefix, client), rank=rank, world_size=world_size, timeout=timeout, interval=interval
+        )
+        _heartbeat = hang_report.Heartbeat(_monitor["store"], rank, interval, _position_text).start()
+    log.debug("lightspeed created the default process group (store prefix %s)", prefix)
+
+
+_heartbeat: hang_report.Heartbeat | None = None
+_monitor: dict[str, Any] = {}
+_position: Callable[[], str] | None = None
+
+
+def set_position(position: Callable[[], str] | None) -> None:
+    """Where this rank is (e.g. ``lambda: f"step {trainer.global_step}"``), published with its heartbeat."""
+    global _position
+    _position = position
+
+
+def _position_text() -> str:
+    return _position() if _position is not None else ""
+
+
+def explain_timeout(error: BaseException) -> hang_report.CollectiveTimeoutError | None:
+    """A :class:`~lightspeed.core.hang_report.CollectiveTimeoutError` naming the collective and the ranks that did not
+    arrive when ``error`` is a collective timeout in the group lightspeed created, else None. Waits about two
+    heartbeat intervals to tell stopped ranks from live ones."""
+    if not _monitor or not hang_report.is_collective_timeout(error):
+        return None
+    stopped, notes = hang_report.describe_missing_ranks(
+        _monitor["store"], _monitor["world_size"], _monitor["rank"], _monitor["interval"], _position_text()
+    )
+    message = hang_report.timeout_message(
+        error, _monitor["timeout"], _monitor["rank"], stopped, notes, hang_report.collective_name(error.__traceback__)
+    )
+    return hang_report.CollectiveTimeoutError(message)
+
+
+def apply_timeout_to_deepspeed_groups(timeout: timedelta | None) -> None:
+    """Make the groups DeepSpeed creates (its data-parallel clone of the world group, ZeRO's partition groups) use
+    ``timeout`` too: ``deepspeed.comm`` creates them with ``torch.distributed.new_group(ranks)``, which otherwise
+    gets torch's 30-minute default and ignores the strategy's ``timeout=``. Changes only DeepSpeed's communication
+    backend object of this process group."""
+    import deepspeed.comm.comm as ds_comm_state
+
+    backend = ds_comm_state.cdb
+    if backend is None or timeout is None or getattr(backend, "_lightspeed_timeout", None) == timeout:
+        return
+
+    def new_group(ranks: Any) -> Any:
+        return dist.new_group(ranks, timeout=timeout)
+
+    backend.new_group = new_group
+    backend._lightspeed_timeout = timeout

@@ -8,8 +8,10 @@ the mean loss over every item of the window on every rank (see :mod:`lightspeed.
 from __future__ import annotations
 
 from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
 
 from lightspeed.strategies.exact_accumulation import ExactAccumulationMixin
+from lightspeed.strategies.launchers import check_world_matches, fork_launcher_if_wanted
 
 __all__ = ["DDPExactStrategy"]
 
@@ -18,7 +20,17 @@ class DDPExactStrategy(ExactAccumulationMixin, DDPStrategy):
     """``DDPStrategy`` whose ``accumulate_grad_batches`` gives exactly the big-batch gradient.
 
     Accepts every ``DDPStrategy`` argument plus ``sync_with_dataloader`` (what a short last window of an epoch does;
-    see :class:`~lightspeed.strategies.exact_accumulation.ExactAccumulationMixin`).
+    see :class:`~lightspeed.strategies.exact_accumulation.ExactAccumulationMixin`). In an interactive session
+    (Jupyter, Colab) the workers are forked, as with Lightning's ``ddp_notebook``; ``start_method="fork"`` forces it.
     """
 
     strategy_name = "ddp_exact"  # registered with Lightning by :mod:`lightspeed.registry`
+
+    @override
+    def _configure_launcher(self) -> None:
+        check_world_matches(self.cluster_environment, self.num_nodes, self.num_processes)
+        launcher = fork_launcher_if_wanted(self, self._start_method)
+        if launcher is not None:
+            self._launcher = launcher
+            return
+        super()._configure_launcher()

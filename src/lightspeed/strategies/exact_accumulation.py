@@ -29,6 +29,7 @@ or sums over ranks) and the :meth:`_exact_before_boundary` / :meth:`_exact_after
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,9 @@ from typing_extensions import override
 
 from lightspeed.core.accumulation import ExactAccumulator, distributed_sum, scale_gradients
 from lightspeed.core.batch import count_samples
+from lightspeed.core.deepspeed_accumulation import scale_deepspeed_gradients_at_step, set_deepspeed_boundary
+from lightspeed.strategies import _process_group
+from lightspeed.strategies._resumable_data import make_resumable, warn_about_skipped_checkpoints
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -102,6 +106,39 @@ class ExactAccumulationMixin(_StrategyBase):
         super().on_train_start()
         self._exact = None
         self._exact_multiplier = 1.0
+        trainer = self._exact_trainer()
+        _process_group.set_position(lambda: f"step {trainer.global_step}")  # published with the heartbeat
+        if trainer.ckpt_path is None and trainer.is_global_zero:
+            warn_about_skipped_checkpoints(trainer)
+
+    # ------------------------------------------------- reliability (process group, data position, hangs)
+    @override
+    def setup_distributed(self) -> None:  # type: ignore[misc]  # defined by the parallel strategies mixed with
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, XLAStrategy
+
+        if isinstance(self, DDPStrategy) and not isinstance(self, (DeepSpeedStrategy, XLAStrategy)):
+            # DDP: lightspeed creates the group (per-restart store prefix, heartbeat); Lightning then finds it made
+            self.set_world_ranks()
+            assert self.cluster_environment is not None
+            os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+            os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+            _process_group.init_process_group(
+                self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout
+            )
+        super().setup_distributed()  # type: ignore[misc]
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        return make_resumable(getattr(module, "_trainer", None), dataloader)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        explained = _process_group.explain_timeout(exception)
+        if explained is not None:
+            raise explained from exception
 
     # ------------------------------------------------------ overridable parts
     def _exact_all_reduce_sum(self, tensor: Tensor) -> Tensor:
@@ -184,60 +221,18 @@ class ExactAccumulationMixin(_StrategyBase):
 
 
 # ---------------------------------------------------------------------------------------------------------- DeepSpeed
-def _set_deepspeed_boundary(engine: Any, is_boundary: bool) -> None:
-    """Tell a DeepSpeed engine whether the next backward closes the accumulation window.
-
-    Replaces the engine's own micro-step counter (which assumes every window has ``gradient_accumulation_steps``
-    micro-batches and so drifts after a short window). With ``False`` ZeRO-0/1 keep gradients local (no reduction);
-    ZeRO-2/3 reduce-scatter every micro-batch by design. ``engine.step()`` updates only after a ``True`` backward.
-    """
-    engine.set_gradient_accumulation_boundary(is_boundary)
-
-
-def _scale_deepspeed_gradients_at_step(engine: Any, factor: float) -> Callable[[], None]:
-    """Make the engine's next optimizer step use its accumulated gradients multiplied by ``factor``.
-
-    ZeRO-1/2/3 keep reduced gradients in partitions that only their optimizer can see, and every one of them divides
-    the gradients by its loss scale right before clipping and the update; overriding that scale with
-    ``scale / factor`` multiplies the gradients by ``factor`` exactly there, so clipping and the reported gradient
-    norm see the real big-batch gradient. Without ZeRO (plain fp32 optimizer) the gradients are in ``param.grad``.
-    Returns a function that restores the optimizer's own loss scale; call it after ``engine.step()``.
-    """
-    optimizer = engine.optimizer
-    if factor == 1.0:
-        return lambda: None
-    if hasattr(optimizer, "override_loss_scale") and hasattr(optimizer, "external_loss_scale"):
-        saved = (optimizer.custom_loss_scaler, optimizer.external_loss_scale)
-        optimizer.override_loss_scale(optimizer.loss_scale / factor)
-
-        def restore() -> None:
-            optimizer.custom_loss_scaler, optimizer.external_loss_scale = saved
-
-        return restore
-    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
-
-    if not isinstance(optimizer, DeepSpeedOptimizer):  # no ZeRO, fp32: DeepSpeed steps the plain optimizer
-        scale_gradients((p for group in optimizer.param_groups for p in group["params"]), factor)
-        return lambda: None
-    raise RuntimeError(
-        f"Exact gradient accumulation cannot rescale gradients inside DeepSpeed's {type(optimizer).__name__} (used "
-        f"for ZeRO stage 0 with bf16/fp16, or ZeRO-1 with bf16 and fp32 gradient accumulation). Use ZeRO stage 1, 2 "
-        f"or 3 with their default data types."
-    )
-
-
 class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin, _DeepSpeedStrategyBase):
     """Exact accumulation for Lightning's ``DeepSpeedStrategy`` subclasses (the ZeRO family); mix in first.
 
     * Lightning's loop owns accumulation (``handles_gradient_accumulation`` is ``False``), so ``optimizer_step``,
       ``on_before_optimizer_step``, ``optimizer_zero_grad`` and step schedulers run once per real step, and the
       short last window of an epoch steps instead of leaking into the next epoch.
-    * The engine is told each micro-batch's role (:func:`_set_deepspeed_boundary`): non-boundary micro-batches run
+    * The engine is told each micro-batch's role (:func:`set_deepspeed_boundary`): non-boundary micro-batches run
       in ``block_backward_sync`` with the boundary off, so ZeRO-1 does not reduce them; ZeRO-2/3 reduce-scatter
       every micro-batch by DeepSpeed's design (each rank keeps only its gradient partition).
     * ``engine.backward`` runs with ``scale_wrt_gas=False``: the mixin does the weighting itself.
     * The window factor ``W / T`` is applied through the ZeRO optimizer's loss scale for that one step
-      (:func:`_scale_deepspeed_gradients_at_step`).
+      (:func:`scale_deepspeed_gradients_at_step`).
     """
 
     _exact_restore: Callable[[], None] | None = None
@@ -250,12 +245,12 @@ class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin, _DeepSpeedStrategy
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        _set_deepspeed_boundary(self.model, False)
+        set_deepspeed_boundary(self.model, False)
         yield
 
     @override
     def _exact_before_boundary(self) -> None:
-        _set_deepspeed_boundary(self.model, True)
+        set_deepspeed_boundary(self.model, True)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -265,7 +260,7 @@ class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin, _DeepSpeedStrategy
 
     @override
     def _exact_scale_gradients(self, optimizer: Optimizer, factor: float) -> None:
-        self._exact_restore = _scale_deepspeed_gradients_at_step(self.model, factor)
+        self._exact_restore = scale_deepspeed_gradients_at_step(self.model, factor)
 
     @override
     def _exact_after_step(self) -> None:

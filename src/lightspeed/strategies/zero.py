@@ -17,8 +17,8 @@ Built on Lightning's ``DeepSpeedStrategy`` (launchers, engine wiring, checkpoint
 
 from __future__ import annotations
 
-import argparse
 import logging
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +27,6 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -36,9 +35,11 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
 from lightspeed.core import atomic_dir
+from lightspeed.core.checkpoint import reshard
 from lightspeed.core.checkpoint.errors import CheckpointError
+from lightspeed.core.checkpoint.node_local import describe_position
+from lightspeed.core.checkpoint.node_local import require_part as require_node_local_part
 from lightspeed.core.checkpoint.staged_save import StagedCheckpointSaver
-from lightspeed.core.cpu_optimizer import prepare_offloaded_optimizer, retarget_lr_scheduler
 from lightspeed.core.deepspeed_config import (
     DeepSpeedConfigError,
     ZeroTuning,
@@ -50,17 +51,24 @@ from lightspeed.core.deepspeed_config import (
     resolve_config_with_notes,
 )
 from lightspeed.core.deepspeed_runtime import (
-    async_io_problem,
     check_precision_supported,
-    deepspeed_device_rank,
     export_deepspeed_accelerator,
-    use_deepspeed_accelerator,
+    zero_device_kind,
 )
 from lightspeed.core.distributed import raise_on_every_rank
-from lightspeed.core.zero_weights import load_zero_weights, read_client_state, read_structure
+from lightspeed.core.zero_engine import (
+    check_loadable,
+    initialize_engine,
+    one_optimizer_error,
+    prepare_deepspeed_process,
+    prepare_optimizer,
+    save_zero_checkpoint,
+)
+from lightspeed.core.zero_weights import check_fits, load_zero_weights, read_client_state, read_structure
 from lightspeed.strategies import _process_group, _third_party_warnings
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationMixin
+from lightspeed.strategies.launchers import check_start_method, check_world_matches, fork_launcher_if_wanted
 
 if TYPE_CHECKING:
     import deepspeed
@@ -69,9 +77,6 @@ if TYPE_CHECKING:
 __all__ = ["ZeroStrategy"]
 
 log = logging.getLogger(__name__)
-
-#: file written next to DeepSpeed's files in every checkpoint directory
-RESOLVED_CONFIG_FILENAME = "ds_config.json"
 
 
 class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
@@ -92,6 +97,11 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         sync_with_dataloader: exact gradient accumulation (see ``DeepSpeedExactAccumulationMixin``): ``True`` steps
             the short last window of an epoch with its gradient scaled to its real size; ``False`` requires full
             windows.
+        node_local_storage: for clusters whose nodes share no filesystem: each node writes its own ranks' shards (and
+            the files every node needs) into its own local checkpoint directory; a checkpoint counts as complete once
+            every node committed its part (same as ``config={"checkpoint": {"use_node_local_storage": True}}``).
+        start_method: ``"fork"`` starts the worker processes by forking (as Lightning's ``ddp_notebook``); ``None``
+            (default) forks in an interactive session (Jupyter, Colab) and otherwise re-runs the script per process.
     """
 
     strategy_name = "zero"
@@ -120,6 +130,8 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         exclude_frozen_parameters: bool = False,
         load_full_weights: bool = False,
         sync_with_dataloader: bool = True,
+        node_local_storage: bool = False,
+        start_method: str | None = None,
     ) -> None:
         deepspeed_config = build_zero_config(
             stage,
@@ -148,12 +160,25 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
             exclude_frozen_parameters=exclude_frozen_parameters,
             load_full_weights=load_full_weights,
             sync_with_dataloader=sync_with_dataloader,
+            node_local_storage=node_local_storage,
+            start_method=start_method,
         )
 
-    def _init_lightning(self, deepspeed_config: dict[str, Any], **strategy_kwargs: Any) -> None:
+    def _init_lightning(
+        self,
+        deepspeed_config: dict[str, Any],
+        *,
+        node_local_storage: bool = False,
+        start_method: str | None = None,
+        **strategy_kwargs: Any,
+    ) -> None:
         """Lightning's ``DeepSpeedStrategy`` set-up (``strategy_kwargs``: the Lightning arguments of ``__init__``)
         around an already built DeepSpeed config, whose ``"auto"`` values stay until setup."""
+        check_start_method(start_method)
+        if node_local_storage:
+            deepspeed_config.setdefault("checkpoint", {})["use_node_local_storage"] = True
         super().__init__(config=deepspeed_config, **strategy_kwargs)
+        self._start_method_choice = start_method
         self.config = deepspeed_config
         self._train_engine: deepspeed.DeepSpeedEngine | None = None
         self._config_logged = False
@@ -188,14 +213,7 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         return self.config
 
     def _device_kind(self) -> str:
-        if isinstance(self.accelerator, CUDAAccelerator):
-            return "cuda"
-        if isinstance(self.accelerator, CPUAccelerator):
-            return "cpu"
-        raise DeepSpeedConfigError(
-            f"ZeRO strategies run on `accelerator='cuda'` or `accelerator='cpu'`, not on "
-            f"`{type(self.accelerator).__name__}`."
-        )
+        return zero_device_kind(self.accelerator)
 
     # ------------------------------------------------------------------ before any process starts
     @override
@@ -205,18 +223,24 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         kind = self._device_kind()
         check_precision_supported(kind, self.precision_plugin.precision)
         export_deepspeed_accelerator(kind)
+        check_world_matches(self.cluster_environment, self.num_nodes, self.num_processes)
+        launcher = fork_launcher_if_wanted(self, self._start_method_choice)
+        if launcher is not None:
+            self._launcher = launcher
+            return
         super()._configure_launcher()
+
+    @property
+    def node_local_storage(self) -> bool:
+        """Whether each node keeps its ranks' checkpoint files on its own disk (no shared filesystem)."""
+        return bool(self.config.get("checkpoint", {}).get("use_node_local_storage", False))
 
     # ------------------------------------------------------------------ process setup
     @override
     def setup_environment(self) -> None:
         _third_party_warnings.install()
         kind = self._device_kind()
-        use_deepspeed_accelerator(kind)
-        if self.uses_nvme:
-            problem = async_io_problem()
-            if problem is not None:
-                raise DeepSpeedConfigError(f"NVMe offload cannot run here: {problem}")
+        prepare_deepspeed_process(kind, self.uses_nvme)
         if kind == "cuda":
             super().setup_environment()  # Lightning's checks and CUDA device selection
             return
@@ -227,6 +251,13 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
     @override
     def setup_distributed(self) -> None:
         existed = _process_group.group_is_initialized()
+        if not existed:
+            # lightspeed creates the group (per-restart store prefix, heartbeat); DeepSpeed then adopts it
+            self.set_world_ranks()
+            self._set_node_environment_variables()
+            _process_group.init_process_group(
+                self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout
+            )
         if self._device_kind() == "cuda":
             super().setup_distributed()
         else:
@@ -236,6 +267,7 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
             self._init_deepspeed_distributed()
         if not existed and _process_group.group_is_initialized():
             _process_group.take_ownership()
+            _process_group.apply_timeout_to_deepspeed_groups(self._timeout)
 
     # ------------------------------------------------------------------ config resolution
     @override
@@ -262,9 +294,9 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
             # Lightning's own message suggests manual optimization, which does not help under ZeRO either
             if "multiple optimizers" not in str(err):
                 raise
-            raise _one_optimizer_error("several optimizers") from None
+            raise one_optimizer_error("several optimizers", "`configure_optimizers` returned") from None
         if len(optimizers) != 1:
-            raise _one_optimizer_error(f"{len(optimizers)} optimizers")
+            raise one_optimizer_error(f"{len(optimizers)} optimizers", "`configure_optimizers` returned")
         if len(schedulers) > 1:
             raise DeepSpeedConfigError(
                 f"ZeRO strategies support one LR scheduler, but `configure_optimizers` returned {len(schedulers)}. "
@@ -272,29 +304,17 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
             )
         optimizer = optimizers[0]
         scheduler = schedulers[0] if schedulers else None
-        if self.offloads_optimizer:
-            converted, message = prepare_offloaded_optimizer(optimizer, self.config)
-            if message is not None:
-                rank_zero_info(message)
-            if converted is not optimizer and scheduler is not None:
-                retarget_lr_scheduler(scheduler.scheduler, converted)
-            optimizer = converted
+        optimizer, message = prepare_optimizer(optimizer, scheduler.scheduler if scheduler else None, self.config)
+        if message is not None:
+            rank_zero_info(message)
         return optimizer, scheduler
 
     @override
     def _setup_model_and_optimizer(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None
     ) -> tuple[deepspeed.DeepSpeedEngine, torch.optim.Optimizer]:
-        import deepspeed
-
-        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=deepspeed_device_rank(self.root_device.index, self.local_rank)),
-            config=self.config,
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
+        engine, deepspeed_optimizer, _ = initialize_engine(
+            self.config, model, optimizer, lr_scheduler, self.root_device.index, self.local_rank
         )
         return engine, deepspeed_optimizer
 
@@ -312,7 +332,6 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
 
     @override
     def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
-        import deepspeed
         from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 
         inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
@@ -325,15 +344,7 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
             if "aio" in self.config:
                 inference_config["aio"] = self.config["aio"]
         remove_module_hooks(model)
-        engine, _, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=deepspeed_device_rank(self.root_device.index, self.local_rank)),
-            config=inference_config,
-            model=model,
-            optimizer=None,
-            lr_scheduler=None,
-            model_parameters=[],
-            dist_init_required=False,
-        )
+        engine, _, _ = initialize_engine(inference_config, model, None, None, self.root_device.index, self.local_rank)
         self.model = engine
 
     @override
@@ -376,46 +387,148 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
                 "writes the checkpoint files itself."
             )
         filepath = self.broadcast(str(filepath))
+        node = None
+        if self.node_local_storage:
+            filepath = self._node_local_path(filepath)
+            node = describe_position(self.node_rank, self.local_rank)
 
-        def write(staging: Path) -> None:
-            client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            self.deepspeed_engine.save_checkpoint(
-                str(staging),
-                client_state=client_state,
-                tag="checkpoint",
-                exclude_frozen_parameters=self.exclude_frozen_parameters,
-            )
-
-        self._saver.save(
+        save_zero_checkpoint(
+            self._saver,
+            self.deepspeed_engine,
             filepath,
-            write,
-            manifest={
-                "writer": "lightspeed",
-                "world_size": self.world_size,
-                "zero_stage": self.stage,
-                "tag": "checkpoint",
-                "global_step": checkpoint.get("global_step"),
-                "epoch": checkpoint.get("epoch"),
-            },
-            extra_files={RESOLVED_CONFIG_FILENAME: describe_config(self.config)},
+            {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")},
+            world_size=self.world_size,
+            config=self.config,
+            exclude_frozen_parameters=self.exclude_frozen_parameters,
+            manifest_extra={"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")},
+            node=node,
         )
+
+    def _node_local_path(self, path: str) -> str:
+        """Rank 0's checkpoint path as this node's path (a collective): a path under rank 0's working directory is
+        taken under this process's working directory, so nodes launched in different directories each keep their own
+        checkpoints (Lightning resolves and broadcasts rank 0's absolute path); any other path is used as it is."""
+        root = Path(self.broadcast(os.getcwd()))
+        target = Path(path)
+        if target.is_absolute() and target.is_relative_to(root):
+            return str(Path.cwd() / target.relative_to(root))
+        return path
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Node-local storage: every node's local rank 0 removes its own copy; otherwise Lightning's (rank 0)."""
+        if not self.node_local_storage:
+            super().remove_checkpoint(filepath)
+            return
+        path = self._node_local_path(str(filepath))
+        if self.local_rank == 0:
+            self.checkpoint_io.remove_checkpoint(path)
+
+    def _load_node_local(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """Resume from this node's part of a node-local checkpoint: its files (and every other node's, agreed across
+        ranks) are checked before DeepSpeed loads anything; an error names the node and the missing ranks."""
+        what = f"Loading node-local checkpoint {str(path)!r}"
+        error: CheckpointError | None = None
+        save_id = None
+        try:
+            if self._module().trainer.state.fn != TrainerFn.FITTING:
+                raise CheckpointError(
+                    f"{what}: evaluating from a node-local checkpoint needs every node's files in one place. Export "
+                    "it first (`lightspeed export node0/<ckpt> node1/<ckpt> OUT`) and load the export with "
+                    "`lightspeed.export.load_exported`, or resume training from it."
+                )
+            save_id = require_node_local_part(path, self.node_rank).save_id
+        except CheckpointError as err:
+            error = err
+        raise_on_every_rank(error, what, error_type=CheckpointError)
+        ids = self._all_gather_objects(save_id)
+        if len(set(ids)) > 1:
+            raise CheckpointError(
+                f"{what}: the nodes hold parts of different saves (a node did not commit the latest one); resume "
+                "from an earlier checkpoint, or copy the matching directories back."
+            )
+        return DeepSpeedStrategy.load_checkpoint(self, str(path), weights_only)
+
+    def _all_gather_objects(self, value: Any) -> list[Any]:
+        if not torch.distributed.is_initialized() or self.world_size == 1:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(values, value)
+        return values
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
-        if not path.exists():
-            atomic_dir.require_complete(path)  # explains a save interrupted mid-swap, or that nothing is there
-        if path.is_dir() and not atomic_dir.is_complete(path):
-            if atomic_dir.staging_path(path).exists() or not (path / "latest").is_file():
-                atomic_dir.require_complete(path)  # raises with the explanation
-            rank_zero_warn(
-                f"Checkpoint {str(path)!r} was not written by lightspeed (no completion marker); loading it as a "
-                "plain DeepSpeed checkpoint."
+        if self.node_local_storage:
+            return self._load_node_local(path, weights_only)
+        warning = check_loadable(path)  # missing or interrupted: an error explaining it
+        if warning is not None:
+            rank_zero_warn(warning)
+        if path.is_dir() and atomic_dir.is_complete(path):
+            error: atomic_dir.IncompleteCheckpointError | None = None
+            try:
+                atomic_dir.require_intact(path, include_missing=False)  # a truncated shard: error on every rank
+            except atomic_dir.IncompleteCheckpointError as err:
+                error = err
+            raise_on_every_rank(
+                error, f"Loading checkpoint {str(path)!r}", error_type=atomic_dir.IncompleteCheckpointError
             )
         fitting = self._module().trainer.state.fn == TrainerFn.FITTING
         if not fitting and not (self.load_full_weights and self.zero_stage_3):
             return self._load_weights_for_evaluation(path)
+        if path.is_dir() and not self.load_full_weights:
+            self._check_checkpoint_fits(path)
+            saved = reshard.saved_world_size(path)
+            if saved is not None and saved != self.world_size:
+                return self._load_resharded(path, saved)
         return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def _check_checkpoint_fits(self, path: Path) -> None:
+        """Before anything is loaded (and any step runs): one error on every rank listing every parameter whose shape
+        in the checkpoint differs from the model's, e.g. when resuming the checkpoint of another model."""
+        error: CheckpointError | None = None
+        try:
+            module = self._module()
+            check_fits(module, read_structure(path), strict=module.strict_loading)
+        except CheckpointError as err:
+            error = err
+        raise_on_every_rank(error, f"Loading checkpoint {str(path)!r}", error_type=CheckpointError)
+
+    def _load_resharded(self, path: Path, saved_world_size: int) -> dict[str, Any]:
+        """Resume a checkpoint written by another number of processes: rank 0 converts it to DeepSpeed's universal
+        format (weights and optimizer states, one parameter at a time) beside it, every rank loads its own
+        partition, and the converted copy is deleted. Returns Lightning's client state."""
+        what = f"Resharding checkpoint {str(path)!r}"
+        error: Exception | None = None
+        if self.global_rank == 0:
+            try:
+                reshard.convert_to_universal(path, "checkpoint")
+            except Exception as err:  # noqa: BLE001 - re-raised here, reported on the other ranks
+                error = err
+        raise_on_every_rank(error, what, error_type=CheckpointError)
+        engine = self.deepspeed_engine
+        engine._config.load_universal_checkpoint = True
+        try:
+            _, client_state = engine.load_checkpoint(
+                str(reshard.universal_path(path)),
+                tag="checkpoint",
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+                load_module_strict=self._module().strict_loading,
+            )
+        finally:
+            engine._config.load_universal_checkpoint = False
+            self.barrier("lightspeed_reshard_loaded")
+            if self.global_rank == 0:
+                reshard.remove_universal(path)
+        if client_state is None:
+            raise CheckpointError(f"{what}: DeepSpeed could not load the converted checkpoint.")
+        rank_zero_info(
+            f"lightspeed: checkpoint {str(path)!r} was written by {saved_world_size} processes, this run has "
+            f"{self.world_size}: converted it through DeepSpeed's universal checkpoint format (weights and optimizer "
+            "states) and loaded it."
+        )
+        return client_state
 
     def _load_weights_for_evaluation(self, path: Path) -> dict[str, Any]:
         """validate/test/predict from a ZeRO checkpoint: its weights, read from the rank files of any stage and world
@@ -439,10 +552,3 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
             error = err
         raise_on_every_rank(error, what, error_type=CheckpointError)
         return client_state
-
-
-def _one_optimizer_error(returned: str) -> DeepSpeedConfigError:
-    return DeepSpeedConfigError(
-        f"ZeRO strategies train with exactly one optimizer, but `configure_optimizers` returned {returned}. Use one "
-        "optimizer with several param groups (each group can have its own lr and weight_decay)."
-    )

@@ -9,7 +9,6 @@ and host memory; the smallest budgets across ranks decide, so all ranks make the
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import os
@@ -17,43 +16,33 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightspeed.core.deepspeed_config import (
     NVME_PATH_ENV,
-    DeepSpeedConfigError,
-    ZeroTuning,
-    build_zero_config,
-    check_zero_section,
-    load_user_config,
-    validate_keys,
 )
 from lightspeed.core.memory import (
     DEFAULT_SAFETY_MARGIN,
-    ZERO_OPTIONS,
-    Accounting,
     Budgets,
     Cluster,
-    MemoryPlanError,
     Plan,
     ZeroOption,
-    count_parameters,
-    explain_no_fit,
     format_table,
     measure_budgets,
     parse_size,
-    plan,
+)
+from lightspeed.core.zero_auto_choice import (
+    agreed_budgets,
+    check_zero_auto_arguments,
+    choose_zero_option,
+    zero_auto_config,
 )
 from lightspeed.strategies.zero import ZeroStrategy
 
 __all__ = ["ZeroAutoStrategy"]
 
 log = logging.getLogger(__name__)
-
-_CHOSEN_BY_ZERO_AUTO = ("stage", "offload_optimizer", "offload_param")
-_TUNING_ARGUMENTS = tuple(field.name for field in dataclasses.fields(ZeroTuning))
 
 
 class ZeroAutoStrategy(ZeroStrategy):
@@ -83,28 +72,8 @@ class ZeroAutoStrategy(ZeroStrategy):
         config: str | os.PathLike | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        for forbidden in ("stage", "offload_optimizer", "offload_parameters"):
-            if forbidden in kwargs:
-                raise DeepSpeedConfigError(
-                    f"zero_auto chooses `{forbidden}` itself. Remove it, or use a fixed strategy such as "
-                    "ZeroStrategy(stage=3, offload_optimizer='cpu')."
-                )
-        user_config = load_user_config(config)
-        check_zero_section(user_config)
-        chosen_keys = [k for k in _CHOSEN_BY_ZERO_AUTO if k in user_config.get("zero_optimization", {})]
-        if chosen_keys:
-            raise DeepSpeedConfigError(
-                "zero_auto chooses the ZeRO stage and offload targets itself, but the DeepSpeed config sets "
-                + ", ".join(f"zero_optimization.{k}" for k in chosen_keys)
-                + ". Remove them, or use a fixed strategy (zero1 ... zero3_nvme)."
-            )
-        validate_keys(user_config)  # typos fail now; the full config is built once the option is chosen
+        user_config, tuning = check_zero_auto_arguments(config, kwargs, safety_margin)
         inspect.signature(ZeroStrategy).bind_partial(**kwargs)  # a misspelt argument is a TypeError naming it
-        tuning = ZeroTuning(**{name: kwargs.pop(name) for name in _TUNING_ARGUMENTS if name in kwargs})
-        if not 0 <= safety_margin < 1:
-            raise MemoryPlanError(
-                f"safety_margin is a fraction of memory kept free, between 0 and 1; got {safety_margin}."
-            )
         self._init_lightning(user_config, **kwargs)
         self.safety_margin = safety_margin
         self.device_memory = parse_size(device_memory, "device_memory") if device_memory is not None else None
@@ -127,25 +96,7 @@ class ZeroAutoStrategy(ZeroStrategy):
 
     def _agreed_budgets(self) -> Budgets:
         """The smallest budgets over all ranks, so every rank makes the same choice."""
-        local = self._local_budgets()
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or self.world_size == 1:
-            return local
-        received: list[Budgets | None] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(received, local)
-        gathered = [budgets for budgets in received if budgets is not None]  # every rank sent one
-
-        def smallest(values: list[int | None]) -> int | None:
-            known = [v for v in values if v is not None]
-            return min(known) if known else None
-
-        return Budgets(
-            device_memory=smallest([b.device_memory for b in gathered]),
-            host_memory=min(b.host_memory for b in gathered),
-            nvme_free=smallest([b.nvme_free for b in gathered])
-            if all(b.nvme_free is not None for b in gathered)
-            else None,
-            nvme_unusable=next((b.nvme_unusable for b in gathered if b.nvme_unusable), None),
-        )
+        return agreed_budgets(self._local_budgets())
 
     def _cluster(self) -> Cluster:
         devices = len(self.parallel_devices) if self.parallel_devices else 1
@@ -154,29 +105,22 @@ class ZeroAutoStrategy(ZeroStrategy):
     # ------------------------------------------------------------------ choosing
     def choose(self) -> ZeroOption:
         """Measure, plan, log the table and configure this strategy as the chosen option."""
-        counts = count_parameters(self._module())
-        accounting = Accounting(
-            precision=self.precision_plugin.precision, optimizer_state_bytes=self.optimizer_state_bytes
+        result, option = choose_zero_option(
+            self._module(),
+            self._cluster(),
+            self._agreed_budgets(),
+            self.precision_plugin.precision,
+            self.optimizer_state_bytes,
+            self.safety_margin,
         )
-        result = plan(counts, self._cluster(), self._agreed_budgets(), accounting, self.safety_margin, ZERO_OPTIONS)
         self.memory_plan = result
-        if result.choice is None:
-            raise MemoryPlanError(explain_no_fit(result))
-        option = result.choice.estimate.option
         rank_zero_info(f"lightspeed zero_auto: memory plan\n{format_table(result)}")
         self._configure_as(option)
         self.chosen_option = option
         return option
 
     def _configure_as(self, option: ZeroOption) -> None:
-        self.config = build_zero_config(
-            option.stage,
-            option.offload_optimizer,
-            option.offload_parameters,
-            nvme_path=self.nvme_path,
-            user_config=self._user_config,
-            tuning=self._tuning.for_stage(option.stage),
-        )
+        self.config = zero_auto_config(option, self._user_config, self._tuning, self.nvme_path)
 
     # ------------------------------------------------------------------ hooks
     @override

@@ -4,6 +4,7 @@ streaming one tensor at a time."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +45,7 @@ class ExportResult:
 
 
 def export_zero_checkpoint(
-    checkpoint: str | os.PathLike,
+    checkpoint: str | os.PathLike | Sequence[str | os.PathLike],
     output_dir: str | os.PathLike,
     options: ExportOptions,
     progress: Progress | None = None,
@@ -98,13 +99,16 @@ def export_lightning_file(
 
 
 def export_checkpoint_path(
-    checkpoint: str | os.PathLike,
+    checkpoint: str | os.PathLike | Sequence[str | os.PathLike],
     output_dir: str | os.PathLike,
     options: ExportOptions,
     progress: Progress | None = None,
 ) -> ExportResult:
     """Export ``checkpoint`` whatever its layout: a file is a single-file Lightning checkpoint, a directory a
-    DeepSpeed checkpoint (its save directory or a tag folder)."""
+    DeepSpeed checkpoint (its save directory or a tag folder); a list: every node's directory of a node-local
+    DeepSpeed checkpoint."""
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        return export_zero_checkpoint(list(checkpoint), output_dir, options, progress)
     path = Path(checkpoint)
     if path.is_file():
         if options.tag is not None:

@@ -2,16 +2,19 @@
 
 Accepted inputs: the directory DeepSpeed's ``save_checkpoint`` wrote into (a ``latest`` file naming the tag, one
 sub-directory per tag; Lightning's ``<name>.ckpt/`` directories look exactly like this with the tag
-``checkpoint``), or a tag directory itself.
+``checkpoint``), or a tag directory itself. A node-local checkpoint (each node wrote its own ranks' files into its
+own directory) is given as the list of every node's directory.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightspeed.core.checkpoint import node_local
 from lightspeed.core.checkpoint.errors import CheckpointError
 
 __all__ = ["CheckpointFiles", "find_tag_dir", "locate"]
@@ -28,13 +31,15 @@ class CheckpointFiles:
     tag: str
     model_files: dict[int, Path]  # data-parallel rank -> model states (stage 3: one per rank; else rank 0 only)
     optim_files: dict[int, Path]  # data-parallel rank -> optimizer states (empty for plain stage 0)
+    other_tag_dirs: list[Path] = field(default_factory=list)  # node-local: the other nodes' tag directories
 
     def offload_dir(self, rank: int) -> Path | None:
         """The folder DeepSpeed copies a rank's NVMe swap files into when it saves, if there is one."""
-        for name in (f"rank{rank:02d}", f"rank{rank}"):
-            candidate = self.tag_dir / "offloaded_tensors" / name
-            if candidate.is_dir():
-                return candidate
+        for tag_dir in (self.tag_dir, *self.other_tag_dirs):
+            for name in (f"rank{rank:02d}", f"rank{rank}"):
+                candidate = tag_dir / "offloaded_tensors" / name
+                if candidate.is_dir():
+                    return candidate
         return None
 
 
@@ -88,8 +93,53 @@ def find_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> tuple
     )
 
 
-def locate(checkpoint: str | os.PathLike, tag: str | None = None) -> CheckpointFiles:
-    """Find the tag directory and the per-rank files; refuse tensor/pipeline-parallel and mixed layouts."""
+CheckpointPath = str | os.PathLike[str]
+
+
+def locate(checkpoint: CheckpointPath | Sequence[CheckpointPath], tag: str | None = None) -> CheckpointFiles:
+    """Find the tag directory and the per-rank files; refuse tensor/pipeline-parallel and mixed layouts.
+
+    ``checkpoint`` may be a list of directories: the per-node directories of one node-local checkpoint."""
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        return locate_node_local(list(checkpoint), tag)
+    part = node_local.read_part(checkpoint) if Path(checkpoint).is_dir() else None
+    if part is not None and part.num_nodes > 1:
+        node_local.check_parts([node_local.require_part(checkpoint)])  # raises: the other nodes' directories
+    return _locate_one(checkpoint, tag)
+
+
+def locate_node_local(checkpoints: list[CheckpointPath], tag: str | None = None) -> CheckpointFiles:
+    """The files of a node-local checkpoint from every node's directory, checked to be one complete save."""
+    if len(checkpoints) == 1:
+        return locate(checkpoints[0], tag)
+    if not checkpoints:
+        raise CheckpointError("no checkpoint directory given")
+    parts = []
+    for path in checkpoints:
+        if not Path(path).is_dir():
+            raise CheckpointError(f"{path}: no such checkpoint directory (one node's part of a node-local checkpoint)")
+        if node_local.read_part(path) is None:
+            raise CheckpointError(
+                f"{path} is not part of a node-local checkpoint (its completion marker has no node-local record); "
+                "several directories are only accepted for checkpoints saved with node_local_storage=True"
+            )
+        parts.append(node_local.require_part(path))
+    node_local.check_parts(parts)
+    parts.sort(key=lambda p: p.node_rank)
+    found = [_locate_one(part.path, tag) for part in parts]
+    first = found[0]
+    for other in found[1:]:
+        if other.tag != first.tag:
+            raise CheckpointError(f"{other.tag_dir} has the tag {other.tag!r}, {first.tag_dir} {first.tag!r}")
+        for rank, path in other.model_files.items():
+            first.model_files.setdefault(rank, path)
+        for rank, path in other.optim_files.items():
+            first.optim_files.setdefault(rank, path)
+        first.other_tag_dirs.append(other.tag_dir)
+    return first
+
+
+def _locate_one(checkpoint: CheckpointPath, tag: str | None = None) -> CheckpointFiles:
     tag_dir, tag = find_tag_dir(checkpoint, tag)
     model_files: dict[int, Path] = {}
     optim_files: dict[int, Path] = {}

@@ -9,17 +9,25 @@ Three phases, each followed by an agreement across ranks (:func:`~lightspeed.cor
 
 A failure in any phase on any rank raises on every rank, so no rank waits for one that hit a full disk, and the
 previous checkpoint at the target is untouched.
+
+Node-local checkpoints (``node=`` a :class:`~lightspeed.core.checkpoint.node_local.NodePosition`): every node has its
+own directory at ``target`` on its own disk, and the node's local rank 0 does what rank 0 does above for its node
+(sweep, prepare, extra files, commit with a ``node_local`` record in the marker). All nodes' commits carry one
+``save_id``, and the commit phase ends with the same agreement across all ranks: the save succeeded only when every
+node committed (see :mod:`lightspeed.core.checkpoint.node_local`).
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lightspeed.core import atomic_dir
-from lightspeed.core.distributed import global_rank, raise_on_every_rank
+from lightspeed.core.checkpoint.node_local import NODE_LOCAL_KEY, NodePosition, node_manifest
+from lightspeed.core.distributed import global_rank, is_distributed, raise_on_every_rank
 
 __all__ = ["StagedCheckpointSaver"]
 
@@ -37,12 +45,16 @@ class StagedCheckpointSaver:
         *,
         manifest: dict[str, Any],
         extra_files: dict[str, str] | None = None,
+        node: NodePosition | None = None,
     ) -> Path:
         """Run ``write(staging_dir)`` on every rank and commit ``target`` once all succeeded (a collective: every rank
-        calls it with the same ``target``). ``extra_files`` (name -> text) and ``manifest`` are written by rank 0."""
+        calls it with the same ``target``). ``extra_files`` (name -> text) and ``manifest`` are written by rank 0, or
+        with ``node`` (node-local storage) by every node's local rank 0 into its node's own ``target``."""
         target = Path(target)
         staging = atomic_dir.staging_path(target)
-        is_writer = global_rank() == 0
+        is_writer = node.local_rank == 0 if node is not None else global_rank() == 0
+        if node is not None:
+            manifest = {**manifest, NODE_LOCAL_KEY: {"save_id": _agreed_save_id()}}
 
         def prepare() -> None:
             if is_writer:
@@ -55,7 +67,13 @@ class StagedCheckpointSaver:
             if is_writer:
                 for name, text in (extra_files or {}).items():
                     (staging / name).write_text(text)
-                atomic_dir.commit(target, manifest=manifest)
+                record = manifest
+                if node is not None:
+                    record = {
+                        **manifest,
+                        NODE_LOCAL_KEY: node_manifest(node, manifest[NODE_LOCAL_KEY]["save_id"], staging),
+                    }
+                atomic_dir.commit(target, manifest=record)
 
         what = f"Saving checkpoint {str(target)!r}"
         for phase in (prepare, lambda: write(staging), commit):
@@ -71,3 +89,13 @@ class StagedCheckpointSaver:
                 "is untouched.",
             )
         return target
+
+
+def _agreed_save_id() -> str:
+    """A random id for one save, the same on every rank (rank 0's)."""
+    import torch.distributed as dist
+
+    ids = [uuid.uuid4().hex]
+    if is_distributed():
+        dist.broadcast_object_list(ids, src=0)
+    return ids[0]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -374,8 +375,11 @@ def _split_pieces(parts: list[FileRegion], offset: int, size: int, numel: int) -
     return pieces
 
 
-def read_zero_checkpoint(checkpoint: str | os.PathLike, tag: str | None = None) -> ZeroCheckpoint:
-    """Read the structure of a DeepSpeed checkpoint (no tensor data) and validate that its files fit together."""
+def read_zero_checkpoint(
+    checkpoint: str | os.PathLike | Sequence[str | os.PathLike], tag: str | None = None
+) -> ZeroCheckpoint:
+    """Read the structure of a DeepSpeed checkpoint (no tensor data) and validate that its files fit together
+    (``checkpoint``: a directory, or every node's directory of a node-local checkpoint)."""
     files = locate(checkpoint, tag)
     reader = _Reader(files)
     try:

@@ -1,0 +1,63 @@
+"""Worker for the hang test (torchrun, 2 ranks): rank 1 stops itself (SIGSTOP) at batch 3; rank 0 must fail within
+the strategy's ``timeout=`` with an error naming the collective and rank 1, written to OUT/rank0_error.txt.
+
+usage: hang.py OUT STRATEGY TIMEOUT_S
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+import lightspeed
+from _support.models import RegressionModule, make_regression_data
+
+
+class StopRankOne(Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if trainer.global_rank == 1 and idx == 3:
+            (self.out / "stopped_pid.txt").write_text(str(os.getpid()))  # the test kills it once rank 0 failed
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def main(out: Path, name: str, timeout_s: float) -> None:
+    timeout = timedelta(seconds=timeout_s)
+    if name == "ddp_exact":
+        strategy: Any = lightspeed.strategies.DDPExactStrategy(timeout=timeout)
+    else:
+        strategy = lightspeed.strategies.ZeroStrategy(stage=2, timeout=timeout)
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[StopRankOne(out)],
+    )
+    try:
+        trainer.fit(RegressionModule(), DataLoader(make_regression_data(), batch_size=4))
+    except BaseException as err:
+        if trainer.global_rank == 0:
+            (out / "rank0_error.txt").write_text(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+        raise
+    (out / f"finished{trainer.global_rank}.txt").write_text("no error")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]))

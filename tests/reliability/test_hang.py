@@ -1,0 +1,49 @@
+"""No silent hangs: a rank that stops answering (SIGSTOP) makes the others fail within the strategy's ``timeout=``
+with an error naming the collective and the rank that did not arrive, so an elastic launcher can restart the job."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from _elastic import elastic_command
+
+from _support.launch import REPO_ROOT, child_env
+
+TIMEOUT_S = 20
+COLLECTIVE = {
+    "zero2": r"`torch\.distributed\.all_reduce`",  # ZeRO-2's gradient reduction, called from Python
+    "ddp_exact": r"the gradient all-reduce of `DistributedDataParallel` \(during backward\)",  # DDP's C++ reducer
+}
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "ddp_exact"])
+def test_a_stopped_rank_makes_the_others_fail_with_a_named_collective_and_rank(tmp_path: Path, strategy: str) -> None:
+    cmd = elastic_command("hang.py", 2, [tmp_path, strategy, TIMEOUT_S], max_restarts=0)
+    error_file, stopped_file = tmp_path / "rank0_error.txt", tmp_path / "stopped_pid.txt"
+    proc = subprocess.Popen(cmd, env=child_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 400  # generous: startup on a loaded machine, then the 8 s timeout
+        while not error_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert error_file.exists(), "rank 0 never failed: the stopped rank hung the job"
+    finally:
+        if stopped_file.exists():  # the stopped worker ignores torchrun's SIGTERM until killed
+            os.kill(int(stopped_file.read_text()), signal.SIGKILL)
+        output = proc.communicate(timeout=120)[0].decode(errors="replace")
+    assert proc.returncode != 0, output[-4000:]
+    assert not list(tmp_path.glob("finished*.txt"))
+    first_line = error_file.read_text().splitlines()[0]
+    assert re.fullmatch(
+        rf"CollectiveTimeoutError: Rank 0 waited {TIMEOUT_S}s \(the strategy's `timeout=`\) in "
+        rf"{COLLECTIVE[strategy]}: rank 1 did not arrive "
+        r"\(rank 1: no heartbeat for [\d.]+s \(stopped, dead or hung in native code\)\)\. Exiting so that an elastic "
+        r"launcher \(torchrun --max-restarts\) can restart the job from the last checkpoint\. Backend error: .*"
+        rf"Timed out waiting {TIMEOUT_S}000ms.*",
+        first_line,
+    ), first_line

@@ -1,0 +1,137 @@
+"""In-process checks of the reliability building blocks: the resumable sampler, the hang report's parts and the
+listing of incomplete checkpoints."""
+
+from __future__ import annotations
+
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from lightspeed.core.checkpoint.last import describe_skipped, incomplete_checkpoints
+from lightspeed.core.hang_report import collective_name, describe_missing_ranks, heartbeat_interval
+from lightspeed.core.resumable_sampler import ResumableDistributedSampler
+
+
+def _sampler(n: int, replicas: int, rank: int, batches_done: int = 0, **kwargs: object) -> ResumableDistributedSampler:
+    return ResumableDistributedSampler(
+        range(n),
+        num_replicas=replicas,
+        rank=rank,
+        shuffle=kwargs.get("shuffle", True),  # type: ignore[arg-type]
+        seed=3,
+        drop_last=kwargs.get("drop_last", False),  # type: ignore[arg-type]
+        batch_size=2,
+        consumed_batches=lambda: batches_done,
+    )
+
+
+@pytest.mark.parametrize(("n", "replicas", "shuffle", "drop_last"), [(22, 4, True, False), (22, 3, False, True)])
+def test_the_sampler_hands_out_exactly_what_distributed_sampler_does(
+    n: int, replicas: int, shuffle: bool, drop_last: bool
+) -> None:
+    for epoch in (0, 5):
+        for rank in range(replicas):
+            ours = _sampler(n, replicas, rank, shuffle=shuffle, drop_last=drop_last)
+            theirs = DistributedSampler(range(n), replicas, rank, shuffle=shuffle, seed=3, drop_last=drop_last)
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert list(ours) == list(theirs) and len(ours) == len(theirs)
+
+
+@pytest.mark.parametrize("new_replicas", [2, 4, 3])
+def test_a_restored_sampler_continues_the_epoch_on_any_number_of_ranks(new_replicas: int) -> None:
+    n, old_replicas, batch = 48, 4, 2
+    saved = _sampler(n, old_replicas, 0, batches_done=3)
+    saved.set_epoch(1)
+    state = saved.state_dict()
+    assert state["samples_consumed"] == 3 * batch * old_replicas
+    full = [list(_sampler_at(n, old_replicas, r, 1)) for r in range(old_replicas)]
+    seen = {i for r in range(old_replicas) for i in full[r][: 3 * batch]}
+    rest = []
+    for rank in range(new_replicas):
+        resumed = _sampler(n, new_replicas, rank)
+        resumed.load_state_dict(state)
+        resumed.set_epoch(1)
+        rest += list(resumed)
+        resumed.set_epoch(1)
+        assert len(list(resumed)) == len(resumed)  # only the first iteration after a restore skips
+    assert sorted(rest + sorted(seen)) == list(range(n))  # no sample twice, none skipped
+
+
+def _sampler_at(n: int, replicas: int, rank: int, epoch: int) -> ResumableDistributedSampler:
+    sampler = _sampler(n, replicas, rank)
+    sampler.set_epoch(epoch)
+    return sampler
+
+
+def test_a_restored_position_is_dropped_when_the_epoch_moved_on() -> None:
+    saved = _sampler(16, 2, 0, batches_done=8)
+    state = saved.state_dict()  # end of epoch 0: Lightning resumes at epoch 1
+    resumed = _sampler(16, 2, 0)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(1)
+    assert len(list(resumed)) == 8
+
+
+def test_a_restored_position_from_other_data_is_refused() -> None:
+    state = _sampler(16, 2, 0).state_dict()
+    with pytest.raises(ValueError, match="had 16 samples, this run's has 20"):
+        _sampler(20, 2, 0).load_state_dict(state)
+
+
+def test_the_collective_is_named_from_the_traceback() -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.all_reduce(torch.ones(1))  # no process group: raises inside torch.distributed.all_reduce
+    except (RuntimeError, ValueError) as err:
+        assert collective_name(err.__traceback__) == "`torch.distributed.all_reduce`", traceback.format_exc()
+    try:
+        raise RuntimeError("no collective")
+    except RuntimeError as err:
+        assert collective_name(err.__traceback__) is None
+
+
+class _Store:
+    """A dict with the two TCPStore calls the report uses; rank 1's counter never moves, rank 2's does."""
+
+    def __init__(self) -> None:
+        self.data = {"lightspeed/heartbeat/0": b"5|step 3", "lightspeed/heartbeat/1": b"7|step 2"}
+        self.data["lightspeed/heartbeat/2"] = b"1|step 4"
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def tick(self, _: float) -> None:
+        self.data["lightspeed/heartbeat/2"] = b"2|step 4"
+
+
+def test_stopped_ranks_are_told_from_live_ones_by_their_heartbeat() -> None:
+    store = _Store()
+    stopped, notes = describe_missing_ranks(store, 4, 0, 0.5, "step 3", sleep=store.tick)
+    assert stopped == [1, 3]
+    assert notes == (
+        "rank 1: no heartbeat for 1.0s (stopped, dead or hung in native code); rank 2: alive at step 4; "
+        "rank 3: never sent a heartbeat"
+    )
+    assert heartbeat_interval(timedelta(seconds=8)) == 0.8 and heartbeat_interval(timedelta(minutes=30)) == 10.0
+
+
+def test_incomplete_checkpoints_are_listed_and_explained(tmp_path: Path) -> None:
+    for name in ("last.ckpt", "a.ckpt.lightspeed-staging", "last.ckpt.lightspeed-replaced", "b.ckpt"):
+        (tmp_path / name).mkdir()
+    found = incomplete_checkpoints(tmp_path)
+    assert [p.name for p in found] == ["a.ckpt.lightspeed-staging", "last.ckpt.lightspeed-replaced"]
+    assert describe_skipped(found) == (
+        f"{str(found[0])!r} (an interrupted save; removed at the next save); {str(found[1])!r} holds the previous "
+        f"complete version of {str(tmp_path / 'last.ckpt')!r} (a save was killed while swapping directories); rename "
+        "it to 'last.ckpt' to resume from it"
+    )
+    assert incomplete_checkpoints(tmp_path / "missing") == []

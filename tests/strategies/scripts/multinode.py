@@ -1,0 +1,138 @@
+"""Worker for the multi-node, SLURM and node-local checkpoint tests; started by torchrun (one torchrun per simulated
+node, each in its own working directory) or as plain processes with the environment ``srun`` gives its tasks.
+
+usage: multinode.py MODE SHARED NUM_NODES
+  train    - zero2_offload: 1 epoch with a checkpoint in SHARED, resume to 2 epochs; zero3 with node_local_storage:
+             1 epoch with checkpoints in ./ckpt (relative: each node its own), resume to 2 epochs. Rank 0 writes the
+             final weights to SHARED/weights_<nodes>x<devices>.pt.
+  reference - one node: the same runs uninterrupted (zero3 with a shared checkpoint in SHARED/ckpt).
+  resume   - only the node-local zero3 resume from ./ckpt/last.ckpt (the test removed a node's files first).
+  slurm    - zero3_offload for 1 epoch under Lightning's SLURM environment; rank 0 writes SHARED/weights_slurm.pt.
+  mismatch - a Trainer whose num_nodes disagrees with the launcher's world.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+import lightspeed  # noqa: F401
+from _support.models import RegressionModule, full_state_dict, make_regression_data
+from lightspeed.strategies.zero import ZeroStrategy
+
+DEVICES = 2
+
+
+def loader() -> DataLoader:
+    return DataLoader(make_regression_data(), batch_size=4)
+
+
+def trainer(strategy: object, num_nodes: int, devices: int, epochs: int, **kwargs: object) -> L.Trainer:
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def fit(strategy: object, num_nodes: int, devices: int, epochs: int, ckpt_path: str | None = None, **kwargs):
+    L.seed_everything(0, verbose=False)
+    run = trainer(strategy, num_nodes, devices, epochs, **kwargs)
+    run.fit(RegressionModule(), loader(), ckpt_path=ckpt_path)
+    return run, full_state_dict(run.strategy.deepspeed_engine.module)
+
+
+def node_local() -> ZeroStrategy:
+    return ZeroStrategy(stage=3, node_local_storage=True)
+
+
+def train(shared: Path, num_nodes: int) -> None:
+    weights = {}
+    z2 = shared / "z2"
+    fit("zero2_offload", num_nodes, DEVICES, 1, callbacks=[ModelCheckpoint(z2, save_last=True, save_top_k=0)])
+    run, weights["zero2_offload"] = fit(
+        "zero2_offload", num_nodes, DEVICES, 2, ckpt_path=str(z2 / "last.ckpt"), enable_checkpointing=False
+    )
+    every = {"dirpath": "ckpt", "save_last": True, "save_top_k": 0, "every_n_train_steps": 4}
+    fit(node_local(), num_nodes, DEVICES, 1, callbacks=[ModelCheckpoint(**every)])
+    node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+    if node == num_nodes - 1 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        # a save that crashed on this node only left its staging area behind: swept, the previous checkpoint used
+        stale = Path("ckpt") / "last.ckpt.lightspeed-staging"
+        stale.mkdir()
+        (stale / "half-written.pt").write_bytes(b"\0" * 16)
+    resume(shared, num_nodes, weights, every)
+
+
+def resume(shared: Path, num_nodes: int, weights: dict | None = None, every: dict | None = None) -> None:
+    weights = {} if weights is None else weights
+    callbacks = [ModelCheckpoint(**every)] if every else []
+    run, weights["zero3_node_local"] = fit(
+        node_local(),
+        num_nodes,
+        DEVICES,
+        2,
+        ckpt_path="ckpt/last.ckpt",
+        callbacks=callbacks,
+        enable_checkpointing=bool(every),
+    )
+    if run.is_global_zero:
+        torch.save(weights, shared / f"weights_{num_nodes}x{DEVICES}.pt")
+        (shared / "facts.json").write_text(json.dumps({"global_step": run.global_step}))
+
+
+def reference(shared: Path, num_nodes: int) -> None:
+    weights = {}
+    _, weights["zero2_offload"] = fit("zero2_offload", 1, 4, 2, enable_checkpointing=False)
+    every = {"dirpath": shared / "ckpt", "save_last": True, "save_top_k": 0, "every_n_train_steps": 4}
+    run, weights["zero3"] = fit(ZeroStrategy(stage=3), 1, 4, 2, callbacks=[ModelCheckpoint(**every)])
+    if run.is_global_zero:
+        torch.save(weights, shared / "weights_1x4.pt")
+
+
+def slurm(shared: Path, num_nodes: int) -> None:
+    run, weights = fit("zero3_offload", num_nodes, 4 // num_nodes, 1, enable_checkpointing=False)
+    env = type(run.strategy.cluster_environment).__name__
+    if run.is_global_zero:
+        torch.save({"zero3_offload": weights}, shared / "weights_slurm.pt")
+    (shared / f"slurm_rank{run.global_rank}.json").write_text(
+        json.dumps(
+            {
+                "environment": env,
+                "world_size": run.world_size,
+                "node_rank": run.node_rank,
+                "local_rank": run.local_rank,
+                "global_step": run.global_step,
+            }
+        )
+    )
+
+
+def mismatch(shared: Path, num_nodes: int) -> None:
+    try:
+        trainer("zero2_offload", num_nodes, DEVICES, 1)
+        outcome = "no error"
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        outcome = f"{type(err).__name__}: {err}"
+    (shared / f"mismatch_rank{os.environ.get('RANK', '0')}.txt").write_text(outcome)
+
+
+if __name__ == "__main__":
+    mode, shared, nodes = sys.argv[1], Path(sys.argv[2]).resolve(), int(sys.argv[3])
+    shared.mkdir(parents=True, exist_ok=True)
+    {"train": train, "reference": reference, "resume": resume, "slurm": slurm, "mismatch": mismatch}[mode](
+        shared, nodes
+    )

@@ -1,0 +1,74 @@
+"""SLURM: four plain processes started with the environment ``srun`` gives its tasks (2 nodes x 2 tasks) train
+through Lightning's SLURMEnvironment with a lightspeed strategy, and end with the weights of the same run under
+torchrun."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from _support.launch import REPO_ROOT, child_env, free_port, run_torchrun
+
+SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "multinode.py"
+
+
+def srun_env(rank: int, port: int) -> dict[str, str]:
+    """What `srun` sets for task ``rank`` of `sbatch --nodes=2 --ntasks-per-node=2` (both nodes are this machine)."""
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "lightspeed-test",
+        "SLURM_NTASKS": "4",
+        "SLURM_NPROCS": "4",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank % 2),
+        "SLURM_NODEID": str(rank // 2),
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+        "SLURM_NODELIST": "127.0.0.1",
+        "SLURM_CPUS_PER_TASK": "1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def test_srun_tasks_train_through_lightnings_slurm_environment(tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [sys.executable, str(SCRIPT), "slurm", str(tmp_path / "slurm"), "2"]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env=child_env(srun_env(rank, port)),
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(4)
+    ]
+    outputs = [proc.communicate(timeout=900)[0] for proc in procs]
+    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"task {rank} failed:\n{out[-6000:]}"
+    for rank in range(4):
+        facts = json.loads((tmp_path / "slurm" / f"slurm_rank{rank}.json").read_text())
+        assert facts == {
+            "environment": "SLURMEnvironment",
+            "world_size": 4,
+            "node_rank": rank // 2,
+            "local_rank": rank % 2,
+            "global_step": 4,
+        }
+    run_torchrun(SCRIPT, 4, ["slurm", tmp_path / "torchrun", "1"])
+    slurm = torch.load(tmp_path / "slurm" / "weights_slurm.pt")["zero3_offload"]
+    torchrun = torch.load(tmp_path / "torchrun" / "weights_slurm.pt")["zero3_offload"]
+    assert json.loads((tmp_path / "torchrun" / "slurm_rank0.json").read_text())["environment"] == (
+        "TorchElasticEnvironment"
+    )
+    for key, expected in torchrun.items():
+        diff = (slurm[key] - expected).abs().max().item()
+        assert diff <= 1e-6, f"{key}: the SLURM run differs from the torchrun run by {diff:.3e}"
