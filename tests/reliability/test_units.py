@@ -3,6 +3,8 @@ listing of incomplete checkpoints."""
 
 from __future__ import annotations
 
+import threading
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -12,7 +14,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from lightspeed.core.checkpoint.last import describe_skipped, incomplete_checkpoints
-from lightspeed.core.hang_report import collective_name, describe_missing_ranks, heartbeat_interval
+from lightspeed.core.hang_report import Heartbeat, collective_name, describe_missing_ranks, heartbeat_interval
 from lightspeed.core.resumable_sampler import ResumableDistributedSampler
 
 
@@ -122,6 +124,29 @@ def test_stopped_ranks_are_told_from_live_ones_by_their_heartbeat() -> None:
         "rank 3: never sent a heartbeat"
     )
     assert heartbeat_interval(timedelta(seconds=8)) == 0.8 and heartbeat_interval(timedelta(minutes=30)) == 10.0
+
+
+class _SlowStore:
+    """A store whose writes take ``seconds`` (a store under load, or one whose server is going away)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.writes, self.in_write = seconds, 0, threading.Event()
+
+    def set(self, key: str, value: str) -> None:
+        self.in_write.set()
+        time.sleep(self.seconds)
+        self.writes += 1
+
+
+def test_stopping_the_heartbeat_waits_for_the_write_in_progress() -> None:
+    # at exit, a heartbeat thread still inside a native store write aborts the process once Python is finalizing
+    store = _SlowStore(0.5)
+    beat = Heartbeat(store, 0, interval=0.0).start()  # start() writes once itself, then the thread writes
+    assert store.in_write.wait(5)
+    store.in_write.clear()
+    assert store.in_write.wait(5)  # the thread is inside a write
+    beat.stop()
+    assert not beat._thread.is_alive() and store.writes >= 2
 
 
 def test_incomplete_checkpoints_are_listed_and_explained(tmp_path: Path) -> None:

@@ -60,8 +60,16 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 30.0) -> None:
+        """Stop beating and wait (at most ``wait`` seconds) for the thread to leave the store call it may be in.
+
+        Must run before interpreter shutdown (e.g. from an ``atexit`` hook): a daemon thread still inside a native
+        store call when Python finalizes aborts the whole process (``terminate called without an active
+        exception``, exit code -6) when the call returns, after an otherwise successful run.
+        """
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(wait)
 
     def _beat(self) -> None:
         self._beats += 1

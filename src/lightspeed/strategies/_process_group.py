@@ -8,8 +8,9 @@ strategy's ``timeout=`` (default 30 minutes, Lightning's), also for the groups D
 
 A process group left alive until interpreter exit is destroyed while Python tears down its modules; gloo's (and
 NCCL's) native threads are then sometimes still running, and the process ends with ``terminate called without an
-active exception`` (exit code -6) after a successful run. lightspeed therefore destroys the group it created in an
-``atexit`` hook, which runs while the interpreter is still whole; not at the end of a run, since the training engine
+active exception`` (exit code -6) after a successful run; the same happens when the heartbeat thread is inside a
+store write at that moment. lightspeed therefore stops and joins the heartbeat and destroys the group it created in
+an ``atexit`` hook, which runs while the interpreter is still whole; not at the end of a run, since the training engine
 kept for evaluation, ZeRO-3 partitioned modules and the user's own ``torch.distributed`` calls after ``fit`` (even a
 failed one) still use it. A group the user created is never touched.
 """
@@ -66,7 +67,7 @@ def destroy_owned_group() -> None:
         return
     _owned = False
     if _heartbeat is not None:
-        _heartbeat.stop()
+        _heartbeat.stop(wait=HEARTBEAT_STORE_TIMEOUT.total_seconds() + 1)
         _heartbeat = None
     _monitor.clear()
     if not group_is_initialized():
@@ -88,6 +89,8 @@ def destroy_owned_group() -> None:
 # ---------------------------------------------------------------------------------------- creating the process group
 #: the process group's timeout when the strategy gets ``timeout=None`` (Lightning's default is the same)
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+#: longest a heartbeat write (or the hang report's read) may wait for the store
+HEARTBEAT_STORE_TIMEOUT = timedelta(seconds=20)
 
 
 def restart_prefix() -> str:
@@ -115,9 +118,11 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: timede
     take_ownership()
     if world_size > 1:
         interval = hang_report.heartbeat_interval(timeout)
+        # a heartbeat write never waits long: a stalled store must not hold up the join at exit (see Heartbeat.stop)
         client = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
         )
+        client.set_timeout(min(timeout, HEARTBEAT_STORE_TIMEOUT))
         _monitor.update(
             store=dist.PrefixStore(prefix, client), rank=rank, world_size=world_size, timeout=timeout, interval=interval
         )
