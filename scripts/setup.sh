@@ -27,7 +27,8 @@ fi
 if ! python -c "import lightspeed, deepspeed, pytest, transformers, mypy, nbclient, ipykernel" >/dev/null 2>&1 || [ ! -x .venv/bin/ruff ]; then
   echo "[setup] installing lightspeed and its dependencies"
   pip_q setuptools wheel ninja
-  pip_q --no-build-isolation -e ".[test]"
+  # the editable install writes src/lightspeed.egg-info; setup_xla.sh (run beside this script by test.sh) does too
+  { flock 9; pip_q --no-build-isolation -e ".[test]"; } 9>.editable-install.lock
 fi
 python -c "import lightspeed, deepspeed" || { echo "[setup] installation failed" >&2; exit 1; }
 

@@ -73,7 +73,8 @@ fi
 echo "[setup_xla] installing lightning, torchmetrics, safetensors, the test tools and lightspeed (without DeepSpeed)"
 pip_q "lightning==2.6.6" torchmetrics safetensors pytest pytest-timeout psutil setuptools wheel \
   || { echo "[setup_xla] could not install the Lightning stack into $VENV" >&2; exit 1; }
-pip_q --no-build-isolation --no-deps -e . || { echo "[setup_xla] could not install lightspeed into $VENV" >&2; exit 1; }
+# the editable install writes src/lightspeed.egg-info; setup.sh (run beside this script by test.sh) does too
+{ flock 9; pip_q --no-build-isolation --no-deps -e .; } 9>.editable-install.lock || { echo "[setup_xla] could not install lightspeed into $VENV" >&2; exit 1; }
 
 missing=$(missing_parts)
 case " $missing " in
