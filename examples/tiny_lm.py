@@ -58,6 +58,10 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.tokens.weight  # tied, as in GPT-2
+        # GPT-2's embedding init: with torch's default N(0, 1) the tied head starts with logits of std ~17 (a loss
+        # of ~80 instead of ln(vocab)), which short runs never recover from
+        for embedding in (self.tokens, self.positions):
+            nn.init.normal_(embedding.weight, std=0.02)
         self.register_buffer("causal_mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
