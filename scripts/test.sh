@@ -7,9 +7,11 @@ cd "$(dirname "$0")/.."
 xla_log=$(mktemp)
 bash scripts/setup_xla.sh >"$xla_log" 2>&1 &
 xla_setup=$!
+trap 'kill "$xla_setup" 2>/dev/null || true' EXIT  # setup.sh failed: do not leave the download running
 bash scripts/setup.sh
 xla_status=0
 wait "$xla_setup" || xla_status=$?
+trap - EXIT
 cat "$xla_log"
 rm -f "$xla_log"
 [ "$xla_status" = 0 ] || { echo "[test] scripts/setup_xla.sh failed (exit $xla_status)" >&2; exit "$xla_status"; }
