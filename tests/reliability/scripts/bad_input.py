@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401
 from _support.models import IN_FEATURES, OUT_FEATURES, RegressionModule, make_regression_data
+from _support.outcomes import Steps, error_text
 
 
 class WiderModule(RegressionModule):
@@ -30,17 +31,6 @@ class WiderModule(RegressionModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(IN_FEATURES, 41), nn.Tanh(), nn.Linear(41, OUT_FEATURES))
-
-
-class Steps(Callback):
-    def __init__(self) -> None:
-        self.first_step: int | None = None
-        self.batches = 0
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if self.first_step is None:
-            self.first_step = trainer.global_step
-        self.batches += 1
 
 
 def trainer(root: Path, max_steps: int, callbacks: list[Callback]) -> L.Trainer:
@@ -55,14 +45,6 @@ def trainer(root: Path, max_steps: int, callbacks: list[Callback]) -> L.Trainer:
         default_root_dir=root,
         callbacks=callbacks,
     )
-
-
-def error_text(call: Any) -> str:
-    try:
-        call()
-    except Exception as err:  # noqa: BLE001 - the test reads the message
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 def main(out: Path) -> None:

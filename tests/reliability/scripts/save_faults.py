@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from _support.models import RegressionModule, make_regression_data
+from _support.outcomes import Steps, error_text
 from lightspeed.strategies import ZeroStrategy
 
 TIMEOUT_S = 20
@@ -46,17 +47,6 @@ class FullDisk(Callback):
         checkpoint_engine.save = full_disk_save
 
 
-class Steps(Callback):
-    def __init__(self) -> None:
-        self.first_step: int | None = None
-        self.batches = 0
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if self.first_step is None:
-            self.first_step = trainer.global_step
-        self.batches += 1
-
-
 def trainer(out: Path, max_steps: int, callbacks: list[Callback]) -> L.Trainer:
     return L.Trainer(
         strategy=ZeroStrategy(stage=2, timeout=timedelta(seconds=TIMEOUT_S)),
@@ -69,14 +59,6 @@ def trainer(out: Path, max_steps: int, callbacks: list[Callback]) -> L.Trainer:
         default_root_dir=out,
         callbacks=[ModelCheckpoint(out / "ckpts", save_last=True, every_n_train_steps=2), *callbacks],
     )
-
-
-def error_text(call: Any) -> str:
-    try:
-        call()
-    except Exception as err:  # noqa: BLE001 - the test reads the message
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 def listing(out: Path) -> list[str]:
