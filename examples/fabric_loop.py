@@ -67,7 +67,8 @@ def main() -> None:
 
     # A model too big for one process: build it under `with fabric.init_module():` and ZeRO-3 creates each rank's
     # shard only (layers must be created, not deep-copied: nn.TransformerEncoder, used here, copies its layer).
-    model = TinyGPT(len(ALPHABET), args.context)
+    with fabric.init_module():
+        model = TinyGPT(len(ALPHABET), args.context)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)  # CPU Adam under offload
     model, optimizer = fabric.setup(model, optimizer)
 
