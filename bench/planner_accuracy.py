@@ -3,7 +3,7 @@
 Launches ``tests/strategies/scripts/zero_auto_rss.py`` on 2 ranks (torchrun, gloo): each rank trains a
 ``--depth`` x (``--width`` x ``--width``) fp32 MLP for 2 steps with ZeRO-2, then ZeRO-3, and records how far its
 resident memory rose above the baseline before each run (VmHWM - VmRSS). The baseline named in the ratio is the
-planner's per-process estimate for the same model and cluster (``lightspeed.core.memory.estimate_option``: the
+planner's per-process estimate for the same model and cluster (``lightspeed.core.zero.planner.estimate_option``: the
 device states plus this process's share of host memory, since on the CPU both are host memory). A ratio of 1.0
 means the estimate is exact; above 1 the run needed more than planned (activations and the DeepSpeed-on-CPU
 extras that tests/strategies/test_zero_auto_memory.py derives, about 1.6-1.8 x for ZeRO-3 today).
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from _support.launch import run_torchrun  # noqa: E402
-from lightspeed.core.memory import ZERO_OPTIONS, Accounting, Cluster, count_parameters, estimate_option  # noqa: E402
+from lightspeed.core.zero.planner import ZERO_OPTIONS, Accounting, Cluster, count_parameters, estimate_option  # noqa: E402
 
 DEVICES = 2
 MIB = 2**20

@@ -106,7 +106,7 @@ def time_engine_loop(config: dict, offload: bool, args: argparse.Namespace, data
     """Seconds for the measured steps of a plain DeepSpeed engine loop with ``config``."""
     import deepspeed
 
-    from lightspeed.core.cpu_optimizer import to_deepspeed_cpu_adam
+    from lightspeed.core.zero.cpu_optimizer import to_deepspeed_cpu_adam
 
     net = make_model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)

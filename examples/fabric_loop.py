@@ -74,9 +74,10 @@ def main() -> None:
 
     ckpt = args.out / "last.ckpt"
     state = {"model": model, "optimizer": optimizer, "epoch": 0}
-    if ckpt.exists():
-        fabric.load(ckpt, state)  # resume: weights, optimizer state and "epoch"
-        fabric.print(f"resumed from {ckpt} after epoch {state['epoch']}")
+    resume = lightspeed.fabric.last_checkpoint(fabric, args.out)  # the newest complete checkpoint; None: fresh start
+    if resume is not None:
+        fabric.load(resume, state)  # resume: weights, optimizer state and "epoch" (checked first)
+        fabric.print(f"resumed from {resume} after epoch {state['epoch']}")
 
     for epoch in range(state["epoch"], args.epochs):
         for (ids, target), step in lightspeed.fabric.accumulate(fabric, model, train, steps=args.accumulate):

@@ -44,7 +44,7 @@ import subprocess
 import warnings
 warnings.filterwarnings("ignore")
 # exactly what every run does before DeepSpeed builds anything: this cache, and the venv's ninja first on PATH
-from lightspeed.core.deepspeed_runtime import use_prebuilt_deepspeed_ops
+from lightspeed.core.zero.runtime import use_prebuilt_deepspeed_ops
 use_prebuilt_deepspeed_ops()
 from deepspeed.accelerator import get_accelerator
 accelerator = get_accelerator()

@@ -1,6 +1,7 @@
 """The package's layering, read from the import statements of every module under ``src/lightspeed``:
 
 * ``core/`` knows nothing of Lightning and never imports the package root or a Lightning layer;
+* ``core/`` packages import each other only downward (:data:`CORE_LEVELS`);
 * ``plugins/`` never imports strategies, callbacks or the CLI; ``strategies/`` never imports callbacks, the CLI or
   the Fabric layer; ``fabric/`` never imports callbacks, the CLI or the registry;
 * the module-level imports form no cycle;
@@ -41,8 +42,57 @@ def _imports(path: Path, top_level_only: bool) -> list[tuple[int, str]]:
     return found
 
 
+#: core/'s packages from the bottom up; a package imports only packages of a lower level (and itself)
+CORE_LEVELS: dict[str, int] = {
+    "errors": 0,
+    "common": 0,
+    "accumulation": 1,
+    "gather": 1,
+    "xla": 1,
+    "reliability": 2,
+    "checkpoint": 3,
+    "zero": 4,
+}
+
+
+def _core_package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["lightspeed", "core"] else None
+
+
+def test_every_core_package_has_a_level() -> None:
+    packages = {_core_package(module) for module in MODULES} - {None}
+    assert packages == set(CORE_LEVELS)
+
+
+def _upward_imports(module: str, imports: list[tuple[int, str]]) -> list[str]:
+    """The imports of core ``module`` that reach a core package of the same or a higher level."""
+    package = _core_package(module)
+    assert package is not None
+    offending = []
+    for line, name in imports:
+        imported = _core_package(name)
+        if imported is not None and imported != package and CORE_LEVELS[imported] >= CORE_LEVELS[package]:
+            offending.append(f"line {line}: {name}")
+    return offending
+
+
+@pytest.mark.parametrize("module", sorted(name for name in MODULES if _core_package(name) is not None))
+def test_core_packages_import_each_other_only_downward(module: str) -> None:
+    assert _upward_imports(module, _imports(MODULES[module], top_level_only=False)) == []
+
+
+def test_the_level_rule_finds_an_upward_import() -> None:
+    imports = [(3, "lightspeed.core.errors"), (4, "lightspeed.core.zero.engine"), (5, "lightspeed.core.xla.runtime")]
+    assert _upward_imports("lightspeed.core.reliability.staging", imports) == ["line 4: lightspeed.core.zero.engine"]
+    assert _upward_imports("lightspeed.core.gather.api", imports) == [
+        "line 4: lightspeed.core.zero.engine",
+        "line 5: lightspeed.core.xla.runtime",
+    ]
+
+
 def test_every_module_is_found() -> None:
-    assert "lightspeed.core.deepspeed_config.zero_recipe" in MODULES and "lightspeed.registry" in MODULES
+    assert "lightspeed.core.zero.config.zero_recipe" in MODULES and "lightspeed.registry" in MODULES
 
 
 @pytest.mark.parametrize("module", sorted(name for name in MODULES if name.startswith("lightspeed.core")))

@@ -1,9 +1,12 @@
-"""Every method a lightspeed class defines over a Lightning one carries ``@override`` (typing_extensions), so that a
-method Lightning renames or removes fails loudly (type checkers) instead of silently never being called."""
+"""Every method a lightspeed class (public or private, in any module of the package) defines over a Lightning one
+carries ``@override`` (typing_extensions), so that a method Lightning renames or removes fails loudly (type checkers)
+instead of silently never being called."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 from typing import Any
 
 import pytest
@@ -19,6 +22,26 @@ PUBLIC_CLASSES = sorted(
         if isinstance(getattr(module, name), type)
     },
     key=lambda cls: cls.__qualname__,
+)
+
+
+def _every_module() -> list[Any]:
+    return [
+        importlib.import_module(info.name)
+        for info in pkgutil.walk_packages(lightspeed.__path__, "lightspeed.")
+        if not info.name.startswith("lightspeed.cli.")  # the CLI defines no Lightning subclass
+    ]
+
+
+#: every class defined in a lightspeed module, private ones (``_XLAForkLauncher``) included
+ALL_CLASSES = sorted(
+    {
+        value
+        for module in _every_module()
+        for value in vars(module).values()
+        if isinstance(value, type) and value.__module__ == module.__name__
+    },
+    key=lambda cls: f"{cls.__module__}.{cls.__qualname__}",
 )
 
 
@@ -64,10 +87,12 @@ def test_the_public_classes_are_found() -> None:
         "DDPExactFabricStrategy",
     } <= names
     assert lightspeed.strategies.ZeroStrategy in PUBLIC_CLASSES
+    assert set(PUBLIC_CLASSES) <= set(ALL_CLASSES)
+    assert "_XLAForkLauncher" in {cls.__name__ for cls in ALL_CLASSES}
 
 
 @pytest.mark.parametrize(
-    "cls", [c for c in PUBLIC_CLASSES if any(_is_lightning(b) for b in inspect.getmro(c))], ids=lambda cls: cls.__name__
+    "cls", [c for c in ALL_CLASSES if any(_is_lightning(b) for b in inspect.getmro(c))], ids=lambda cls: cls.__name__
 )
 def test_methods_over_lightning_carry_override(cls: type) -> None:
     assert _missing_overrides(cls) == []

@@ -6,12 +6,12 @@ packaged as Lightning strategies, plugins and callbacks.
 (:mod:`lightspeed.registry`).
 DeepSpeed and torch_xla are imported only when a run uses them.
 
-Public: the subpackages ``strategies``, ``plugins``, ``callbacks``, ``fabric`` and ``export``, and the gather
-functions below.
+Public: the subpackages ``strategies``, ``plugins``, ``callbacks``, ``fabric``, ``export`` and ``errors`` (every
+exception a user can meet), and the gather functions below.
 ``lightspeed.core`` is internal.
 """
 
-from lightspeed import callbacks, export, fabric, plugins, strategies
+from lightspeed import callbacks, errors, export, fabric, plugins, strategies
 from lightspeed._version import __version__
 from lightspeed.core.gather import (
     GatherError,
@@ -29,6 +29,7 @@ __all__ = [
     "GatherError",
     "__version__",
     "callbacks",
+    "errors",
     "export",
     "fabric",
     "gather_for_metrics",

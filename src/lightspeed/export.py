@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightspeed.core.checkpoint.errors import CheckpointError, ExportError
 from lightspeed.core.checkpoint.exporter import ExportResult, export_checkpoint_path
 from lightspeed.core.checkpoint.loading import LoadResult
 from lightspeed.core.checkpoint.loading import load_exported as _load_exported
 from lightspeed.core.checkpoint.options import ExportOptions
 from lightspeed.core.checkpoint.safetensors_writer import Progress
+from lightspeed.core.errors import CheckpointError, ExportError
 
 __all__ = ["CheckpointError", "ExportError", "ExportResult", "LoadResult", "export_checkpoint", "load_exported"]
 

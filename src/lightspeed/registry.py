@@ -1,6 +1,6 @@
 """Everything ``import lightspeed`` adds to Lightning's registries, in one place.
 
-* strategies: ``zero1`` ... ``zero3_nvme`` (:data:`~lightspeed.core.deepspeed_config.ZERO_PRESETS`), ``zero_auto``,
+* strategies: ``zero1`` ... ``zero3_nvme`` (:data:`~lightspeed.core.zero.config.ZERO_PRESETS`), ``zero_auto``,
   ``ddp_exact``, ``xla_exact`` and ``single_xla_exact``;
 * the same ZeRO names, ``zero_auto`` and ``ddp_exact`` in Lightning Fabric's registry
   (:func:`lightspeed.fabric.register_fabric_strategies`);
@@ -18,8 +18,8 @@ from __future__ import annotations
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightspeed.core.deepspeed_config import ZERO_PRESETS
-from lightspeed.core.deepspeed_runtime import use_prebuilt_deepspeed_ops
+from lightspeed.core.zero.config import ZERO_PRESETS
+from lightspeed.core.zero.runtime import use_prebuilt_deepspeed_ops
 from lightspeed.fabric.registration import register_fabric_strategies
 from lightspeed.plugins.accelerators.xla import XLAAccelerator, quiet_lightning_tpu_probe
 from lightspeed.strategies.ddp_exact import DDPExactStrategy

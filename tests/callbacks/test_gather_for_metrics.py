@@ -19,7 +19,7 @@ from lightspeed.callbacks import GatherForMetrics
 from lightspeed.callbacks.gather_for_metrics import StepOutputError
 from lightspeed.core.gather import GatherError, GatherState
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "gather" / "scripts"))
 from gather_data import NUM_CLASSES, MapData, model, reference  # noqa: E402
 
 

@@ -26,7 +26,7 @@ from torch.utils.data import DistributedSampler
 from _support.launch import run_python
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "gather" / "scripts"))
 sys.path.insert(0, str(SCRIPTS))
 from gather_data import NUM_CLASSES, LengthIterable, MapData, ShardedIterable, reference  # noqa: E402
 from gather_lightning import MODES, TEST, VAL  # noqa: E402

@@ -22,7 +22,7 @@ from lightspeed.export import ExportError, export_checkpoint, load_exported
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE / "scripts"))
-sys.path.insert(0, str(REPO / "tests" / "core" / "scripts"))
+sys.path.insert(0, str(REPO / "tests" / "core" / "checkpoint" / "scripts"))
 sys.path.insert(0, str(REPO / "examples"))
 from zero_export_fit import CASES, HF_CASES, HF_GPT2, LitLM  # noqa: E402
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lightspeed.cli.main import main
-from lightspeed.core.deepspeed_config import NVME_PATH_ENV, TrainingFacts, resolve_config, zero_preset
+from lightspeed.core.zero.config import NVME_PATH_ENV, TrainingFacts, resolve_config, zero_preset
 
 
 def _config(capsys, *argv: str) -> dict:

@@ -8,7 +8,7 @@ import platform
 
 from lightspeed.cli.env_command import strategies
 from lightspeed.cli.main import main
-from lightspeed.core.deepspeed_config import NVME_PATH_ENV
+from lightspeed.core.zero.config import NVME_PATH_ENV
 
 
 def test_reports_versions_devices_ops_and_strategies(capsys):

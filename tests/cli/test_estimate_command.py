@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightspeed.cli.main import main
-from lightspeed.core.memory import ZERO_OPTIONS, Accounting, Budgets, Cluster, ModelCounts, plan
+from lightspeed.core.zero.planner import ZERO_OPTIONS, Accounting, Budgets, Cluster, ModelCounts, plan
 
 ARGS_7B = [
     "estimate",

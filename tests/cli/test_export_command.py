@@ -17,7 +17,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "core" / "scripts"))
+sys.path.insert(0, str(REPO / "tests" / "core" / "checkpoint" / "scripts"))
 from checkpoint_fixture import HF, checkpoint_of, zero_checkpoints  # noqa: E402
 from checkpoint_models import tiny_gpt2_config  # noqa: E402
 from lightning_file_fixture import TinyLightningLM, train_and_save  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 from lightspeed.cli.main import main
 from lightspeed.cli.selftest.checks import compare_ranks, diagnose
 from lightspeed.cli.selftest.runner import run_process_group
-from lightspeed.core.deepspeed_config import NVME_PATH_ENV
+from lightspeed.core.zero.config import NVME_PATH_ENV
 
 
 def test_zero2_on_two_cpu_processes_is_ready(capsys):

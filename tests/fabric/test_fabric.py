@@ -20,8 +20,8 @@ from torch.utils.data import DistributedSampler, TensorDataset
 import lightspeed
 from _support.launch import REPO_ROOT, child_env, run_torchrun
 from _support.models import make_net, make_regression_data, reference_training
-from lightspeed.core import atomic_dir
-from lightspeed.core.deepspeed_config import ZERO_PRESETS, DeepSpeedConfigError
+from lightspeed.core.reliability import staging as atomic_dir
+from lightspeed.core.zero.config import ZERO_PRESETS, DeepSpeedConfigError
 from lightspeed.export import export_checkpoint
 
 SCRIPTS = REPO_ROOT / "tests" / "fabric" / "scripts"
@@ -113,9 +113,16 @@ def _rank_micro_batches(n: int, batch: int) -> list[list[list[int]]]:
 
 
 def _windowed_reference(
-    data: TensorDataset, model: nn.Linear, lr: float, mode: str, steps: int = 4, short_weight: str = "real"
+    data: TensorDataset,
+    model: nn.Linear,
+    lr: float,
+    mode: str,
+    steps: int = 4,
+    short_weight: str = "real",
+    norms: list[float] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """One epoch of plain single-process SGD, one step per window on every sample the window saw on all ranks.
+    """One epoch of plain single-process SGD, one step per window on every sample the window saw on all ranks
+    (``norms`` collects the total gradient norm of each step before clipping).
 
     ``short_weight="per_window"`` is the inexact rule (each micro-batch weighs 1/steps, so a short window counts
     ``len/steps``), used to show that the test tells the two apart."""
@@ -137,7 +144,9 @@ def _windowed_reference(
             loss = loss * sizes[-1] / steps
         loss.backward()
         if mode == "clip":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), fabric_cases.CLIP)
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), fabric_cases.CLIP)
+            if norms is not None:
+                norms.append(float(total))
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, sizes
 
@@ -165,12 +174,15 @@ def test_accumulation_toy_ends_at_2_04(cases: Path, name: str) -> None:
 def test_accumulation_short_last_window_items_and_clipping(cases: Path, name: str, mode: str) -> None:
     run = _meta(cases, f"accum_{name}")[mode]
     data = fabric_cases.accum_data()
-    expected, sizes = _windowed_reference(data, fabric_cases.linear(3, False), fabric_cases.ACCUM_LR, mode)
+    norms: list[float] = []
+    expected, sizes = _windowed_reference(data, fabric_cases.linear(3, False), fabric_cases.ACCUM_LR, mode, norms=norms)
     assert sizes == [4, 4, 2]  # a 10-batch epoch with accumulation 4
     assert run["steps"] == 3 and run["window_sizes"] == sizes
     # gradients are reduced only on each window's last micro-batch (DDP no_sync / the engine's boundary)
     assert run["syncs"] == [False, False, False, True] * 2 + [False, True]
     _assert_weights(run["weights"], expected, f"{name} {mode}")
+    # fabric.clip_gradients returns the total norm before clipping, as Lightning's strategies do
+    assert run["norms"] == pytest.approx(norms, rel=1e-5) and len(norms) == (3 if mode == "clip" else 0)
     if mode == "mean":
         assert run["factors"] == [WORLD / 16, WORLD / 16, WORLD / 8]  # W / T: the last window weighs 2/2
         inexact, _ = _windowed_reference(

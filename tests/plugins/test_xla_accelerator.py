@@ -145,7 +145,7 @@ def test_unknown_precision_mode_fails_while_building_the_trainer(pjrt_cpu: None)
 def test_bf16_on_a_device_without_bf16_fails_while_building_the_trainer(
     pjrt_cpu: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lightspeed.core import xla_runtime
+    from lightspeed.core.xla import runtime as xla_runtime
 
     monkeypatch.setattr(xla_runtime, "device_supports_bf16", lambda device_type: False)
     expected = (

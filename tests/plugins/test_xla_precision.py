@@ -11,7 +11,7 @@ import torch
 import torchmetrics
 from torch import nn
 
-from lightspeed.core.casting import cast_floating_tensors, upcast_metric_updates
+from lightspeed.core.xla.casting import cast_floating_tensors, upcast_metric_updates
 from lightspeed.plugins import XLAPrecision
 from lightspeed.plugins.precision.xla import DEPRECATED_XLA_ENV_VARS, XLA_PRECISION_MODES
 

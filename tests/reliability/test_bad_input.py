@@ -1,6 +1,7 @@
 """Bad input on resume: only incomplete checkpoints with ``ckpt_path="last"`` (fresh start, with a warning naming
 them), an explicit incomplete checkpoint (an error) and the checkpoint of another model (one error listing every
-mismatched parameter, before any step)."""
+mismatched parameter, before any step). Under Fabric: ``fabric.load`` of a truncated shard or of another model's
+checkpoint, and ``num_nodes`` disagreeing with torchrun, each one clear error on every rank before any step."""
 
 from __future__ import annotations
 
@@ -48,3 +49,53 @@ def test_the_checkpoint_of_another_model_is_one_error_listing_every_mismatch_bef
         "False` outside `fit`)."
     )
     assert facts["other_model_batches"] == 0
+
+
+# ------------------------------------------------------------------------------------------------------------ Fabric
+@pytest.fixture(scope="module")
+def fabric_facts(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bad_input_fabric")
+    proc = run_elastic("fabric_loop.py", 2, ["bad_input", out], max_restarts=0)
+    assert proc.returncode == 0, failure(proc)
+    return {"out": out, **{rank: json.loads((out / f"facts_rank{rank}.json").read_text()) for rank in (0, 1)}}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fabric_load_of_a_truncated_shard_is_one_error_on_every_rank_before_any_step(
+    fabric_facts: dict, rank: int
+) -> None:
+    truncated = fabric_facts["out"] / "truncated.ckpt"
+    facts = fabric_facts[rank]
+    assert facts["truncated"].startswith(
+        f"IncompleteCheckpointError: Checkpoint {str(truncated)!r} is damaged: "
+        "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt ("
+    )
+    assert facts["truncated"].endswith(
+        "It changed after it was written (a truncated copy, a full disk while copying, or a file replaced). "
+        "Resume from an earlier checkpoint."
+    )
+    assert facts["truncated_step"] == 0
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fabric_load_of_another_models_checkpoint_is_one_error_listing_every_mismatch(
+    fabric_facts: dict, rank: int
+) -> None:
+    good = fabric_facts["out"] / "good.ckpt"
+    assert fabric_facts[rank]["other_model"] == (
+        f"CheckpointError: Checkpoint {str(good)!r} is not a checkpoint of this model; 3 parameter(s) do not match:\n"
+        "  0.weight: (37, 13) in the checkpoint, (41, 13) in the model\n"
+        "  0.bias: (37,) in the checkpoint, (41,) in the model\n"
+        "  2.weight: (5, 37) in the checkpoint, (5, 41) in the model\n"
+        "Resume from a checkpoint of the same model (or load matching weights only with `model.strict_loading = "
+        "False` outside `fit`)."
+    )
+    assert fabric_facts[rank]["other_model_step"] == 0
+
+
+def test_fabric_num_nodes_that_disagrees_with_torchrun_is_one_clear_error(fabric_facts: dict) -> None:
+    assert fabric_facts[0]["num_nodes"] == (
+        "WorldSizeMismatchError: `Fabric(num_nodes=2, devices=2)` asks for 4 processes, but torchrun started 2 "
+        "(1 node(s) x 2 per node: WORLD_SIZE=2, LOCAL_WORLD_SIZE=2). Set `Fabric(num_nodes=1, devices=2)`, or start "
+        "torchrun with `--nnodes 2 --nproc-per-node 2`."
+    )

@@ -1,5 +1,6 @@
 """No silent hangs: a rank that stops answering (SIGSTOP) makes the others fail within the strategy's ``timeout=``
-with an error naming the collective and the rank that did not arrive, so an elastic launcher can restart the job."""
+with an error naming the collective and the rank that did not arrive, so an elastic launcher can restart the job;
+under the Trainer and in a Fabric loop."""
 
 from __future__ import annotations
 
@@ -22,9 +23,16 @@ COLLECTIVE = {
 }
 
 
+WORKERS = {"trainer": ("hang.py",), "fabric": ("fabric_loop.py", "hang")}
+
+
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
 @pytest.mark.parametrize("strategy", ["zero2", "ddp_exact"])
-def test_a_stopped_rank_makes_the_others_fail_with_a_named_collective_and_rank(tmp_path: Path, strategy: str) -> None:
-    cmd = elastic_command("hang.py", 2, [tmp_path, strategy, TIMEOUT_S], max_restarts=0)
+def test_a_stopped_rank_makes_the_others_fail_with_a_named_collective_and_rank(
+    tmp_path: Path, strategy: str, front_end: str
+) -> None:
+    script, *mode = WORKERS[front_end]
+    cmd = elastic_command(script, 2, [*mode, tmp_path, strategy, TIMEOUT_S], max_restarts=0)
     error_file, stopped_file = tmp_path / "rank0_error.txt", tmp_path / "stopped_pid.txt"
     proc = subprocess.Popen(cmd, env=child_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -13,9 +13,14 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from lightspeed.core.checkpoint.last import describe_skipped, incomplete_checkpoints
-from lightspeed.core.hang_report import Heartbeat, collective_name, describe_missing_ranks, heartbeat_interval
-from lightspeed.core.resumable_sampler import ResumableDistributedSampler
+from lightspeed.core.reliability.hang_report import (
+    Heartbeat,
+    collective_name,
+    describe_missing_ranks,
+    heartbeat_interval,
+)
+from lightspeed.core.reliability.last_checkpoint import describe_skipped, incomplete_checkpoints
+from lightspeed.core.reliability.resumable_sampler import ResumableDistributedSampler
 
 
 def _sampler(n: int, replicas: int, rank: int, batches_done: int = 0, **kwargs: object) -> ResumableDistributedSampler:

@@ -12,8 +12,8 @@ import torch
 
 from _support.launch import REPO_ROOT, run_torchrun
 from _support.models import RegressionModule, reference_training
-from lightspeed.core.deepspeed_config import DeepSpeedConfigError
-from lightspeed.core.memory import (
+from lightspeed.core.zero.config import DeepSpeedConfigError
+from lightspeed.core.zero.planner import (
     Accounting,
     Budgets,
     Cluster,
@@ -166,4 +166,4 @@ def test_registered_and_rejects_what_it_chooses_itself():
     with pytest.raises(MemoryPlanError, match=r"device_memory '24' has no unit: write e.g. '24GB'"):
         ZeroAutoStrategy(device_memory="24")
     strategy = ZeroAutoStrategy(device_memory="24GiB", host_memory=5 * 10**9)  # the one size parser: ints are bytes
-    assert (strategy.device_memory, strategy.host_memory) == (24 * 2**30, 5 * 10**9)
+    assert (strategy.request.device_memory, strategy.request.host_memory) == (24 * 2**30, 5 * 10**9)

@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from _support.launch import REPO_ROOT, run_torchrun
-from lightspeed.core.memory import ZERO_OPTIONS, Accounting, Cluster, count_parameters, estimate_option
+from lightspeed.core.zero.planner import ZERO_OPTIONS, Accounting, Cluster, count_parameters, estimate_option
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_auto_rss.py"
 WIDTH, DEPTH, BATCH, DEVICES = 2048, 12, 2, 2

@@ -12,7 +12,7 @@ import pytest
 
 import lightspeed  # noqa: F401
 from _support.launch import REPO_ROOT, run_python
-from lightspeed.core.deepspeed_config import NVME_PATH_ENV, ZERO_PRESETS, DeepSpeedConfigError
+from lightspeed.core.zero.config import NVME_PATH_ENV, ZERO_PRESETS, DeepSpeedConfigError
 from lightspeed.strategies import ZeroStrategy
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_errors.py"

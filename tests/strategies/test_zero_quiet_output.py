@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from _support.launch import REPO_ROOT, run_python
-from lightspeed.strategies import _third_party_warnings
+from lightspeed.core.zero import third_party_warnings as _third_party_warnings
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_quiet_run.py"
 

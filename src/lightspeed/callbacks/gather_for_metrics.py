@@ -44,10 +44,12 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torchmetrics import Metric, MetricCollection
 from typing_extensions import override
 
-from lightspeed.core.distributed import is_distributed
+from lightspeed.core.common.distributed import is_distributed
+from lightspeed.core.common.sizes import parse_size
+from lightspeed.core.errors import StepOutputError
 from lightspeed.core.gather.accounting import GatherState, current_state, set_current_state
 from lightspeed.core.gather.api import end_of_dataloader
-from lightspeed.core.gather.collective import CallSiteMismatch, GatherError
+from lightspeed.core.gather.collective import CallSiteMismatch
 from lightspeed.core.gather.tree import as_leaf
 from lightspeed.core.gather.window import (
     BatchWindow,
@@ -56,7 +58,6 @@ from lightspeed.core.gather.window import (
     concat_samples,
     row_bytes,
 )
-from lightspeed.core.sizes import parse_size
 
 __all__ = ["GatherForMetrics", "StepOutputError"]
 
@@ -65,10 +66,6 @@ _MetricLike = Metric | MetricCollection | Callable[[Any, Any], Any]
 _STATEFUL = (Metric, MetricCollection)
 #: evaluation stages each Trainer entry point runs
 _RUN_STAGES = {"fit": ("validate",), "validate": ("validate",), "test": ("test",)}
-
-
-class StepOutputError(GatherError):
-    """``validation_step`` / ``test_step`` did not return the predictions and targets GatherForMetrics reads."""
 
 
 class GatherForMetrics(Callback):

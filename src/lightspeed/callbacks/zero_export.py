@@ -39,12 +39,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightspeed.core.checkpoint.errors import ExportError
 from lightspeed.core.checkpoint.exporter import ExportResult
 from lightspeed.core.checkpoint.hf_config import find_hf_config
 from lightspeed.core.checkpoint.live import export_engine
 from lightspeed.core.checkpoint.options import ExportOptions
-from lightspeed.core.checkpoint.staging import check_output_dir_on_every_rank
+from lightspeed.core.errors import ExportError
+from lightspeed.core.reliability.staging import check_output_dir_on_every_rank
 
 __all__ = ["ZeroExport"]
 

@@ -13,7 +13,7 @@ import warnings
 from typing import Any
 
 from lightspeed.cli.usage import EXIT_OK, UsageError, require_nvme_path
-from lightspeed.core.deepspeed_config import (
+from lightspeed.core.zero.config import (
     NVME_PATH_ENV,
     ZERO_PRESETS,
     TrainingFacts,

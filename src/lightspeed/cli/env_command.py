@@ -14,8 +14,8 @@ import sys
 from typing import Any
 
 from lightspeed.cli.usage import EXIT_OK
-from lightspeed.core.deepspeed_config import NVME_PATH_ENV
-from lightspeed.core.deepspeed_runtime import (
+from lightspeed.core.zero.config import NVME_PATH_ENV
+from lightspeed.core.zero.runtime import (
     TORCH_EXTENSIONS_ENV,
     export_deepspeed_accelerator,
     torch_extensions_root,

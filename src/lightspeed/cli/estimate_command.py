@@ -72,7 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _counts(args: argparse.Namespace):
-    from lightspeed.core.memory import ModelCounts, counts_from_factory, parse_count
+    from lightspeed.core.zero.planner import ModelCounts, counts_from_factory, parse_count
 
     if args.factory and (args.params or args.largest_layer):
         raise UsageError("give either a model factory or --params/--largest-layer, not both.")
@@ -91,11 +91,12 @@ def _counts(args: argparse.Namespace):
 
 
 def _budgets(args: argparse.Namespace):
-    from lightspeed.core.memory import measure_budgets, parse_size
+    from lightspeed.core.common.sizes import parse_size
+    from lightspeed.core.zero.planner import MemoryPlanError, measure_budgets
 
     return measure_budgets(
-        device_memory=parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None,
-        host_memory=parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None,
+        device_memory=parse_size(args.gpu_memory, "--gpu-memory", MemoryPlanError) if args.gpu_memory else None,
+        host_memory=parse_size(args.cpu_memory, "--cpu-memory", MemoryPlanError) if args.cpu_memory else None,
         nvme_path=args.nvme_path,
     )
 
@@ -109,7 +110,7 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightspeed.core.memory import (
+    from lightspeed.core.zero.planner import (
         DEFAULT_SAFETY_MARGIN,
         Accounting,
         Cluster,

@@ -27,12 +27,11 @@ SUBCOMMANDS = {
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions that report user mistakes with a message meant to be read, not a traceback."""
-    from lightspeed.core.checkpoint.errors import CheckpointError, ExportError
-    from lightspeed.core.deepspeed_config.errors import DeepSpeedConfigError
-    from lightspeed.core.memory.errors import MemoryPlanError
+    """Exceptions that report user mistakes with a message meant to be read, not a traceback: every lightspeed
+    error (:class:`~lightspeed.errors.LightspeedError`) and the CLI's own :class:`UsageError`."""
+    from lightspeed.errors import LightspeedError
 
-    return (UsageError, MemoryPlanError, DeepSpeedConfigError, CheckpointError, ExportError)
+    return (UsageError, LightspeedError)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from lightspeed.core.deepspeed_config import NVME_PATH_ENV
+from lightspeed.core.zero.config import NVME_PATH_ENV
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 

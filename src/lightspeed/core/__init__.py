@@ -1,2 +1,3 @@
-"""The shared core: plain PyTorch/DeepSpeed logic with no Lightning imports (config resolution, gather and
-padding, accumulation arithmetic, checkpoint reading and export, memory estimates)."""
+"""The shared core: plain PyTorch/DeepSpeed logic with no Lightning imports, one package per feature. Packages import
+each other only downward, in this order: ``errors`` and ``common``; ``accumulation``, ``gather``, ``xla``;
+``reliability``; ``checkpoint``; ``zero``."""

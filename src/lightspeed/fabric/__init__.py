@@ -1,13 +1,19 @@
 """lightspeed for Lightning Fabric: the same strategy names as for the Trainer (``Fabric(strategy="zero3")``, on CUDA
-and on the CPU), exact gradient accumulation in hand-written loops (:func:`accumulate`), and with them
-``lightspeed.gather_for_metrics`` and ``lightspeed export`` for what ``fabric.save`` wrote.
+and on the CPU), exact gradient accumulation in hand-written loops (:func:`accumulate`), resuming from the newest
+complete checkpoint (:func:`last_checkpoint`), and with them ``lightspeed.gather_for_metrics`` and ``lightspeed export``
+for what ``fabric.save`` wrote.
 
-``import lightspeed`` registers the names (:func:`register_fabric_strategies`).
+The modules mirror :mod:`lightspeed.strategies` file for file (``zero``, ``zero_auto``, ``ddp_exact``,
+``exact_accumulation``, ``process_group``); both call the same core. ``import lightspeed`` registers the names
+(:func:`register_fabric_strategies`).
 """
 
-from lightspeed.fabric.accumulate import AccumulationStep, accumulate
+from lightspeed.fabric.ddp_exact import DDPExactFabricStrategy
+from lightspeed.fabric.exact_accumulation import AccumulationStep, accumulate
+from lightspeed.fabric.last_checkpoint import last_checkpoint
 from lightspeed.fabric.registration import register_fabric_strategies
-from lightspeed.fabric.strategies import DDPExactFabricStrategy, ZeroAutoFabricStrategy, ZeroFabricStrategy
+from lightspeed.fabric.zero import ZeroFabricStrategy
+from lightspeed.fabric.zero_auto import ZeroAutoFabricStrategy
 
 __all__ = [
     "AccumulationStep",
@@ -15,5 +21,6 @@ __all__ = [
     "ZeroAutoFabricStrategy",
     "ZeroFabricStrategy",
     "accumulate",
+    "last_checkpoint",
     "register_fabric_strategies",
 ]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-from lightspeed.core.deepspeed_config import ZERO_PRESETS
-from lightspeed.fabric.strategies import DDPExactFabricStrategy, ZeroAutoFabricStrategy, ZeroFabricStrategy
+from lightspeed.core.zero.config import ZERO_PRESETS
+from lightspeed.fabric.ddp_exact import DDPExactFabricStrategy
+from lightspeed.fabric.zero import ZeroFabricStrategy
+from lightspeed.fabric.zero_auto import ZeroAutoFabricStrategy
 
 __all__ = ["register_fabric_strategies"]
 

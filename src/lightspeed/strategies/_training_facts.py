@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightspeed.core.deepspeed_config import AUTO, OptimizerFacts, TrainingFacts, find_hidden_size
+from lightspeed.core.zero.config import AUTO, OptimizerFacts, TrainingFacts, find_hidden_size
 
 __all__ = ["collect_training_facts"]
 

@@ -12,12 +12,15 @@ from typing_extensions import override
 
 from lightspeed.strategies.exact_accumulation import ExactAccumulationMixin
 from lightspeed.strategies.launchers import check_world_matches, fork_launcher_if_wanted
+from lightspeed.strategies.process_group import ProcessGroupMixin
+from lightspeed.strategies.resumable_data import ResumableDataMixin
 
 __all__ = ["DDPExactStrategy"]
 
 
-class DDPExactStrategy(ExactAccumulationMixin, DDPStrategy):
-    """``DDPStrategy`` whose ``accumulate_grad_batches`` gives exactly the big-batch gradient.
+class DDPExactStrategy(ProcessGroupMixin, ResumableDataMixin, ExactAccumulationMixin, DDPStrategy):
+    """``DDPStrategy`` whose ``accumulate_grad_batches`` gives exactly the big-batch gradient, in lightspeed's process
+    group (per-restart store prefix, heartbeat, named hangs) with mid-epoch resumable training dataloaders.
 
     Accepts every ``DDPStrategy`` argument plus ``sync_with_dataloader`` (what a short last window of an epoch does;
     see :class:`~lightspeed.strategies.exact_accumulation.ExactAccumulationMixin`). In an interactive session

@@ -6,14 +6,14 @@ every ``N``-th micro-batch or the last one of the epoch, and runs the other micr
 ``optimizer_zero_grad`` and ``interval="step"`` schedulers run once per real step) and changes three strategy hooks:
 
 * ``training_step``: checks the loss is a scalar, reads ``num_items`` from a returned dict (else counts the batch's
-  samples) and records the micro-batch in a :class:`~lightspeed.core.accumulation.ExactAccumulator`;
+  samples) and records the micro-batch in a :class:`~lightspeed.core.accumulation.exact.ExactAccumulator`;
 * ``backward``: multiplies the ``N``-normalised loss back to a sum over items (``N`` for a summed loss, ``N * b`` for
   a mean over ``b`` samples);
 * ``optimizer_step``: after the boundary micro-batch's backward (gradients synced), all-reduces the window's item
   count once and multiplies the gradients by ``W / T`` before ``on_before_optimizer_step`` and clipping see them.
 
 The result is the gradient of the mean loss over every item the window saw on every rank (proof in
-:mod:`lightspeed.core.accumulation`), for full windows, the short last window of an epoch and uneven items.
+:mod:`lightspeed.core.accumulation.exact`), for full windows, the short last window of an epoch and uneven items.
 
 Where the data has no length (an ``IterableDataset``) Lightning's prefetching fetcher still learns that a batch is
 the last one before running it, so the short last window steps at the epoch end and its gradient is scaled at step
@@ -29,7 +29,6 @@ or sums over ranks) and the :meth:`_exact_before_boundary` / :meth:`_exact_after
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -38,11 +37,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightspeed.core.accumulation import ExactAccumulator, distributed_sum, scale_gradients
-from lightspeed.core.batch import count_samples
-from lightspeed.core.deepspeed_accumulation import scale_deepspeed_gradients_at_step, set_deepspeed_boundary
-from lightspeed.strategies import _process_group
-from lightspeed.strategies._resumable_data import make_resumable, warn_about_skipped_checkpoints
+from lightspeed.core.accumulation.exact import ExactAccumulator, distributed_sum, scale_gradients
+from lightspeed.core.common.batch import count_samples
+from lightspeed.core.zero.accumulation import scale_deepspeed_gradients_at_step, set_deepspeed_boundary
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -106,39 +103,6 @@ class ExactAccumulationMixin(_StrategyBase):
         super().on_train_start()
         self._exact = None
         self._exact_multiplier = 1.0
-        trainer = self._exact_trainer()
-        _process_group.set_position(lambda: f"step {trainer.global_step}")  # published with the heartbeat
-        if trainer.ckpt_path is None and trainer.is_global_zero:
-            warn_about_skipped_checkpoints(trainer)
-
-    # ------------------------------------------------- reliability (process group, data position, hangs)
-    @override
-    def setup_distributed(self) -> None:  # type: ignore[misc]  # defined by the parallel strategies mixed with
-        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, XLAStrategy
-
-        if isinstance(self, DDPStrategy) and not isinstance(self, (DeepSpeedStrategy, XLAStrategy)):
-            # DDP: lightspeed creates the group (per-restart store prefix, heartbeat); Lightning then finds it made
-            self.set_world_ranks()
-            assert self.cluster_environment is not None
-            os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
-            os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
-            _process_group.init_process_group(
-                self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout
-            )
-        super().setup_distributed()  # type: ignore[misc]
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)
-        module = self.lightning_module
-        return make_resumable(getattr(module, "_trainer", None), dataloader)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        explained = _process_group.explain_timeout(exception)
-        if explained is not None:
-            raise explained from exception
 
     # ------------------------------------------------------ overridable parts
     def _exact_all_reduce_sum(self, tensor: Tensor) -> Tensor:

@@ -27,7 +27,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 from typing_extensions import override
 
-from lightspeed.strategies import _process_group
+from lightspeed.core.errors import CudaInitializedError, WorldSizeMismatchError
+from lightspeed.core.reliability import process_group as _process_group
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -46,14 +47,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
-
-
-class CudaInitializedError(RuntimeError):
-    """CUDA was initialised in the process that would fork the workers."""
-
-
-class WorldSizeMismatchError(ValueError):
-    """``Trainer(num_nodes=..., devices=...)`` disagrees with the processes an external launcher started."""
 
 
 def is_interactive() -> bool:
@@ -95,8 +88,11 @@ def check_cuda_not_initialized() -> None:
         )
 
 
-def check_world_matches(environment: ClusterEnvironment | None, num_nodes: int, num_processes: int) -> None:
-    """:class:`WorldSizeMismatchError` when torchrun or SLURM started a different world than the Trainer asks for."""
+def check_world_matches(
+    environment: ClusterEnvironment | None, num_nodes: int, num_processes: int, front_end: str = "Trainer"
+) -> None:
+    """:class:`WorldSizeMismatchError` when torchrun or SLURM started a different world than ``front_end`` (the
+    Trainer or Fabric) asks for."""
     if environment is None or not environment.creates_processes_externally:
         return
     asked = num_nodes * num_processes
@@ -106,9 +102,9 @@ def check_world_matches(environment: ClusterEnvironment | None, num_nodes: int, 
         nodes = world // local if local else world
         if asked != world or local != num_processes:
             raise WorldSizeMismatchError(
-                f"`Trainer(num_nodes={num_nodes}, devices={num_processes})` asks for {asked} processes, but torchrun "
-                f"started {world} ({nodes} node(s) x {local} per node: WORLD_SIZE={world}, "
-                f"LOCAL_WORLD_SIZE={local}). Set `Trainer(num_nodes={nodes}, devices={local})`, or start "
+                f"`{front_end}(num_nodes={num_nodes}, devices={num_processes})` asks for {asked} processes, but "
+                f"torchrun started {world} ({nodes} node(s) x {local} per node: WORLD_SIZE={world}, "
+                f"LOCAL_WORLD_SIZE={local}). Set `{front_end}(num_nodes={nodes}, devices={local})`, or start "
                 f"torchrun with `--nnodes {num_nodes} --nproc-per-node {num_processes}`."
             )
     elif isinstance(environment, SLURMEnvironment):
@@ -119,7 +115,7 @@ def check_world_matches(environment: ClusterEnvironment | None, num_nodes: int, 
         wrong_tasks = per_node.isdigit() and int(per_node) != num_processes
         if asked != world or wrong_nodes or wrong_tasks:
             raise WorldSizeMismatchError(
-                f"`Trainer(num_nodes={num_nodes}, devices={num_processes})` asks for {asked} processes, but SLURM "
+                f"`{front_end}(num_nodes={num_nodes}, devices={num_processes})` asks for {asked} processes, but SLURM "
                 f"started {world} tasks (SLURM_NNODES={nnodes}, SLURM_NTASKS_PER_NODE={per_node or '?'}). Make "
                 "`num_nodes` equal `#SBATCH --nodes` and `devices` equal `#SBATCH --ntasks-per-node`."
             )

@@ -32,7 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from lightspeed.core.xla_runtime import (
+from lightspeed.core.xla.runtime import (
     check_bf16_supported,
     pjrt_device_count,
     torch_xla_installed,
@@ -40,6 +40,7 @@ from lightspeed.core.xla_runtime import (
 )
 from lightspeed.plugins.precision.xla import XLAPrecision
 from lightspeed.strategies.exact_accumulation import ExactAccumulationMixin
+from lightspeed.strategies.resumable_data import ResumableDataMixin
 
 __all__ = ["SingleDeviceXLAExactStrategy", "XLAExactStrategy"]
 
@@ -65,6 +66,7 @@ class _XLAForkLauncher(_XLALauncher):
     """Lightning's XLA launcher, except that the Trainer, the model and the function reach the workers by ``fork``
     inheritance instead of pickling; and the parent's model gets the trained dtypes back, not only the values."""
 
+    @override
     def launch(self, function: Callable, *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             raise NotImplementedError(
@@ -103,6 +105,7 @@ class _XLAForkLauncher(_XLALauncher):
         self._recover_results_in_main_process(worker_output, trainer)
         return worker_output.trainer_results
 
+    @override
     def _wrapping_function(
         self,
         process_idx: int,
@@ -131,6 +134,7 @@ class _XLAForkLauncher(_XLALauncher):
         return_queue.put(move_data_to_device(results, "cpu"))
         _rank_teardown(0)
 
+    @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
         if worker_output.weights_path is not None:
             # the workers trained in the precision's dtypes; give the parent's module the same dtypes first
@@ -186,7 +190,7 @@ class _LightspeedXLAStrategyMixin(_StrategyBase):
         _check_bf16_in_worker(self.precision_plugin, getattr(self.accelerator, "device_type", None))
 
 
-class XLAExactStrategy(_LightspeedXLAStrategyMixin, ExactAccumulationMixin, XLAStrategy):
+class XLAExactStrategy(_LightspeedXLAStrategyMixin, ResumableDataMixin, ExactAccumulationMixin, XLAStrategy):
     """Multi-device XLA (``xmp.spawn``) with exact gradient accumulation and lightspeed's ``XLAPrecision``.
 
     Also runs on one device of a host's several, which Lightning's ``XLAStrategy`` refuses; like every launch it
@@ -216,7 +220,9 @@ class XLAExactStrategy(_LightspeedXLAStrategyMixin, ExactAccumulationMixin, XLAS
         return xm.all_reduce(xm.REDUCE_SUM, tensor)
 
 
-class SingleDeviceXLAExactStrategy(_LightspeedXLAStrategyMixin, ExactAccumulationMixin, SingleDeviceXLAStrategy):
+class SingleDeviceXLAExactStrategy(
+    _LightspeedXLAStrategyMixin, ResumableDataMixin, ExactAccumulationMixin, SingleDeviceXLAStrategy
+):
     """One XLA device in this process, with exact gradient accumulation and lightspeed's ``XLAPrecision``.
 
     What ``accelerator="xla", devices=1`` picks; also ``strategy="single_xla_exact"``.

@@ -19,7 +19,7 @@ from typing import Any
 from lightning.pytorch.plugins.precision.xla import XLAPrecision as LightningXLAPrecision
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
-from lightspeed.core import xla_runtime
+from lightspeed.core.xla import runtime as xla_runtime
 from lightspeed.plugins.accelerators.xla import XLAAccelerator
 from lightspeed.plugins.precision.xla import XLAPrecision
 from lightspeed.strategies.xla import SingleDeviceXLAExactStrategy, XLAExactStrategy

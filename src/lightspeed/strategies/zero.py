@@ -4,7 +4,7 @@ Built on Lightning's ``DeepSpeedStrategy`` (launchers, engine wiring, checkpoint
 
 * runs on ``accelerator="cpu"`` too (DeepSpeed's CPU accelerator over gloo), choosing DeepSpeed's accelerator itself;
 * the DeepSpeed config comes from a named preset plus the user's ``config=``, validated for unknown keys and with
-  every ``"auto"`` resolved from the Trainer and the model (see :mod:`lightspeed.core.deepspeed_config`);
+  every ``"auto"`` resolved from the Trainer and the model (see :mod:`lightspeed.core.zero.config`);
 * ``torch.optim.Adam``/``AdamW`` become DeepSpeed's CPU Adam (``Adagrad``: CPU Adagrad) when the optimizer is
   offloaded; any other torch optimizer runs as it is on the offloaded weights;
 * evaluation after ``fit`` reuses the training engine instead of building a second one;
@@ -34,41 +34,35 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
-from lightspeed.core import atomic_dir
-from lightspeed.core.checkpoint import reshard
-from lightspeed.core.checkpoint.errors import CheckpointError
-from lightspeed.core.checkpoint.node_local import describe_position
-from lightspeed.core.checkpoint.node_local import require_part as require_node_local_part
-from lightspeed.core.checkpoint.staged_save import StagedCheckpointSaver
-from lightspeed.core.deepspeed_config import (
-    DeepSpeedConfigError,
+from lightspeed.core.errors import CheckpointError, DeepSpeedConfigError
+from lightspeed.core.reliability.node_local import describe_position, node_local_path
+from lightspeed.core.reliability.staging import StagedCheckpointSaver
+from lightspeed.core.zero import load_policy
+from lightspeed.core.zero import third_party_warnings as _third_party_warnings
+from lightspeed.core.zero.config import (
+    ZeroConfigProperties,
     ZeroTuning,
     build_zero_config,
-    config_offloads_optimizer,
-    config_stage,
-    config_uses_nvme,
     describe_config,
     resolve_config_with_notes,
 )
-from lightspeed.core.deepspeed_runtime import (
-    check_precision_supported,
-    export_deepspeed_accelerator,
-    zero_device_kind,
-)
-from lightspeed.core.distributed import raise_on_every_rank
-from lightspeed.core.zero_engine import (
-    check_loadable,
+from lightspeed.core.zero.engine import (
     initialize_engine,
     one_optimizer_error,
     prepare_deepspeed_process,
     prepare_optimizer,
     save_zero_checkpoint,
 )
-from lightspeed.core.zero_weights import check_fits, load_zero_weights, read_client_state, read_structure
-from lightspeed.strategies import _process_group, _third_party_warnings
+from lightspeed.core.zero.runtime import (
+    check_precision_supported,
+    export_deepspeed_accelerator,
+    zero_device_kind,
+)
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationMixin
 from lightspeed.strategies.launchers import check_start_method, check_world_matches, fork_launcher_if_wanted
+from lightspeed.strategies.process_group import ProcessGroupMixin
+from lightspeed.strategies.resumable_data import ResumableDataMixin
 
 if TYPE_CHECKING:
     import deepspeed
@@ -76,10 +70,10 @@ if TYPE_CHECKING:
 
 __all__ = ["ZeroStrategy"]
 
-log = logging.getLogger(__name__)
 
-
-class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
+class ZeroStrategy(
+    ZeroConfigProperties, ProcessGroupMixin, ResumableDataMixin, DeepSpeedExactAccumulationMixin, DeepSpeedStrategy
+):
     """DeepSpeed ZeRO for Lightning, on ``accelerator="cuda"`` (nccl) and ``accelerator="cpu"`` (gloo).
 
     Args:
@@ -185,32 +179,11 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         self._saver = StagedCheckpointSaver()
         self._failed = False  # set by on_exception, read by teardown
 
-    # ------------------------------------------------------------------ properties
     def _module(self) -> pl.LightningModule:
         module = self.lightning_module
         if module is None:
             raise RuntimeError("The ZeRO strategy has no LightningModule yet; it is attached by the Trainer.")
         return module
-
-    @property
-    def stage(self) -> int:
-        """The ZeRO stage of the config in force."""
-        return config_stage(self.config)
-
-    @property
-    def uses_nvme(self) -> bool:
-        """Whether anything is offloaded to NVMe."""
-        return config_uses_nvme(self.config)
-
-    @property
-    def offloads_optimizer(self) -> bool:
-        """True when the optimizer step runs on the CPU/NVMe (DeepSpeed CPU Adam)."""
-        return config_offloads_optimizer(self.config)
-
-    @property
-    def resolved_config(self) -> dict[str, Any]:
-        """The DeepSpeed config in force (all ``"auto"`` values resolved once setup ran)."""
-        return self.config
 
     def _device_kind(self) -> str:
         return zero_device_kind(self.accelerator)
@@ -230,11 +203,6 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
             return
         super()._configure_launcher()
 
-    @property
-    def node_local_storage(self) -> bool:
-        """Whether each node keeps its ranks' checkpoint files on its own disk (no shared filesystem)."""
-        return bool(self.config.get("checkpoint", {}).get("use_node_local_storage", False))
-
     # ------------------------------------------------------------------ process setup
     @override
     def setup_environment(self) -> None:
@@ -249,25 +217,19 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         self.setup_distributed()
 
     @override
+    def _set_main_address(self) -> None:
+        self._set_node_environment_variables()  # DeepSpeed's rank variables too
+
+    @override
     def setup_distributed(self) -> None:
-        existed = _process_group.group_is_initialized()
-        if not existed:
-            # lightspeed creates the group (per-restart store prefix, heartbeat); DeepSpeed then adopts it
-            self.set_world_ranks()
-            self._set_node_environment_variables()
-            _process_group.init_process_group(
-                self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout
-            )
         if self._device_kind() == "cuda":
-            super().setup_distributed()
-        else:
-            # CPU devices carry no index, so Lightning's CUDA index check does not apply.
+            super().setup_distributed()  # lightspeed's group (ProcessGroupMixin), then Lightning's CUDA set-up
+            return
+        # CPU devices carry no index, so Lightning's CUDA index check does not apply; DeepSpeed adopts the group.
+        with self._lightspeed_process_group():
             reset_seed()
             self.set_world_ranks()
             self._init_deepspeed_distributed()
-        if not existed and _process_group.group_is_initialized():
-            _process_group.take_ownership()
-            _process_group.apply_timeout_to_deepspeed_groups(self._timeout)
 
     # ------------------------------------------------------------------ config resolution
     @override
@@ -405,14 +367,8 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         )
 
     def _node_local_path(self, path: str) -> str:
-        """Rank 0's checkpoint path as this node's path (a collective): a path under rank 0's working directory is
-        taken under this process's working directory, so nodes launched in different directories each keep their own
-        checkpoints (Lightning resolves and broadcasts rank 0's absolute path); any other path is used as it is."""
-        root = Path(self.broadcast(os.getcwd()))
-        target = Path(path)
-        if target.is_absolute() and target.is_relative_to(root):
-            return str(Path.cwd() / target.relative_to(root))
-        return path
+        """Rank 0's checkpoint path as this node's path (a collective; see :func:`node_local_path`)."""
+        return node_local_path(path, self.broadcast(os.getcwd()))
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -424,131 +380,31 @@ class ZeroStrategy(DeepSpeedExactAccumulationMixin, DeepSpeedStrategy):
         if self.local_rank == 0:
             self.checkpoint_io.remove_checkpoint(path)
 
-    def _load_node_local(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
-        """Resume from this node's part of a node-local checkpoint: its files (and every other node's, agreed across
-        ranks) are checked before DeepSpeed loads anything; an error names the node and the missing ranks."""
-        what = f"Loading node-local checkpoint {str(path)!r}"
-        error: CheckpointError | None = None
-        save_id = None
-        try:
-            if self._module().trainer.state.fn != TrainerFn.FITTING:
-                raise CheckpointError(
-                    f"{what}: evaluating from a node-local checkpoint needs every node's files in one place. Export "
-                    "it first (`lightspeed export node0/<ckpt> node1/<ckpt> OUT`) and load the export with "
-                    "`lightspeed.export.load_exported`, or resume training from it."
-                )
-            save_id = require_node_local_part(path, self.node_rank).save_id
-        except CheckpointError as err:
-            error = err
-        raise_on_every_rank(error, what, error_type=CheckpointError)
-        ids = self._all_gather_objects(save_id)
-        if len(set(ids)) > 1:
-            raise CheckpointError(
-                f"{what}: the nodes hold parts of different saves (a node did not commit the latest one); resume "
-                "from an earlier checkpoint, or copy the matching directories back."
-            )
-        return DeepSpeedStrategy.load_checkpoint(self, str(path), weights_only)
-
-    def _all_gather_objects(self, value: Any) -> list[Any]:
-        if not torch.distributed.is_initialized() or self.world_size == 1:
-            return [value]
-        values: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(values, value)
-        return values
-
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
-        if self.node_local_storage:
-            return self._load_node_local(path, weights_only)
-        warning = check_loadable(path)  # missing or interrupted: an error explaining it
-        if warning is not None:
-            rank_zero_warn(warning)
-        if path.is_dir() and atomic_dir.is_complete(path):
-            error: atomic_dir.IncompleteCheckpointError | None = None
-            try:
-                atomic_dir.require_intact(path, include_missing=False)  # a truncated shard: error on every rank
-            except atomic_dir.IncompleteCheckpointError as err:
-                error = err
-            raise_on_every_rank(
-                error, f"Loading checkpoint {str(path)!r}", error_type=atomic_dir.IncompleteCheckpointError
-            )
-        fitting = self._module().trainer.state.fn == TrainerFn.FITTING
-        if not fitting and not (self.load_full_weights and self.zero_stage_3):
-            return self._load_weights_for_evaluation(path)
-        if path.is_dir() and not self.load_full_weights:
-            self._check_checkpoint_fits(path)
-            saved = reshard.saved_world_size(path)
-            if saved is not None and saved != self.world_size:
-                return self._load_resharded(path, saved)
-        return super().load_checkpoint(checkpoint_path, weights_only)
-
-    def _check_checkpoint_fits(self, path: Path) -> None:
-        """Before anything is loaded (and any step runs): one error on every rank listing every parameter whose shape
-        in the checkpoint differs from the model's, e.g. when resuming the checkpoint of another model."""
-        error: CheckpointError | None = None
-        try:
-            module = self._module()
-            check_fits(module, read_structure(path), strict=module.strict_loading)
-        except CheckpointError as err:
-            error = err
-        raise_on_every_rank(error, f"Loading checkpoint {str(path)!r}", error_type=CheckpointError)
-
-    def _load_resharded(self, path: Path, saved_world_size: int) -> dict[str, Any]:
-        """Resume a checkpoint written by another number of processes: rank 0 converts it to DeepSpeed's universal
-        format (weights and optimizer states, one parameter at a time) beside it, every rank loads its own
-        partition, and the converted copy is deleted. Returns Lightning's client state."""
-        what = f"Resharding checkpoint {str(path)!r}"
-        error: Exception | None = None
-        if self.global_rank == 0:
-            try:
-                reshard.convert_to_universal(path, "checkpoint")
-            except Exception as err:  # noqa: BLE001 - re-raised here, reported on the other ranks
-                error = err
-        raise_on_every_rank(error, what, error_type=CheckpointError)
-        engine = self.deepspeed_engine
-        engine._config.load_universal_checkpoint = True
-        try:
-            _, client_state = engine.load_checkpoint(
-                str(reshard.universal_path(path)),
-                tag="checkpoint",
-                load_optimizer_states=True,
-                load_lr_scheduler_states=False,
-                load_module_strict=self._module().strict_loading,
-            )
-        finally:
-            engine._config.load_universal_checkpoint = False
-            self.barrier("lightspeed_reshard_loaded")
-            if self.global_rank == 0:
-                reshard.remove_universal(path)
-        if client_state is None:
-            raise CheckpointError(f"{what}: DeepSpeed could not load the converted checkpoint.")
-        rank_zero_info(
-            f"lightspeed: checkpoint {str(path)!r} was written by {saved_world_size} processes, this run has "
-            f"{self.world_size}: converted it through DeepSpeed's universal checkpoint format (weights and optimizer "
-            "states) and loaded it."
-        )
-        return client_state
-
-    def _load_weights_for_evaluation(self, path: Path) -> dict[str, Any]:
-        """validate/test/predict from a ZeRO checkpoint: its weights, read from the rank files of any stage and world
-        size, go straight into the (possibly partitioned) model, tensor by tensor; returns Lightning's client state.
-
-        DeepSpeed's inference engine has no ZeRO optimizer to restore shards into, so its ``load_checkpoint`` cannot
-        be used; every rank reads the checkpoint's layout, so a missing rank file is an error on every rank.
-        """
-        what = f"Loading checkpoint {str(path)!r}"
-        error: CheckpointError | None = None
-        try:
-            structure = read_structure(path)
-            client_state = read_client_state(structure)
-        except CheckpointError as err:
-            error = err
-        raise_on_every_rank(error, what, error_type=CheckpointError)
         module = self._module()
-        try:
-            load_zero_weights(module, structure, rank=self.global_rank, strict=module.strict_loading)
-        except CheckpointError as err:
-            error = err
-        raise_on_every_rank(error, what, error_type=CheckpointError)
-        return client_state
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        full_weights = self.load_full_weights and self.zero_stage_3
+        if self.node_local_storage and not fitting:
+            raise CheckpointError(
+                f"Loading node-local checkpoint {str(path)!r}: evaluating from a node-local checkpoint needs every "
+                "node's files in one place. Export it first (`lightspeed export node0/<ckpt> node1/<ckpt> OUT`) and "
+                "load the export with `lightspeed.export.load_exported`, or resume training from it."
+            )
+        load_policy.check_before_loading(
+            path,
+            module=module if fitting and not self.load_full_weights else None,
+            strict=module.strict_loading,
+            node_rank=self.node_rank if self.node_local_storage else None,
+            warn=rank_zero_warn,
+        )
+        if not fitting and not full_weights:
+            return load_policy.load_weights_for_evaluation(
+                module, path, rank=self.global_rank, strict=module.strict_loading
+            )
+        if self.load_full_weights or self.node_local_storage:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        engine = self.deepspeed_engine
+        with load_policy.checkpoint_to_load(engine, path, self.world_size, info=rank_zero_info) as load_path:
+            return super().load_checkpoint(load_path, weights_only)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torchmetrics
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core" / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core" / "gather" / "scripts"))
 import lightning as L  # noqa: E402
 from gather_data import NUM_CLASSES, LengthIterable, MapData, ShardedIterable, model  # noqa: E402
 from gather_scenarios import SHUFFLE_SEED, BatchableData, WholeStreamWithLen  # noqa: E402

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "tests" / "core" / "scripts"))
+sys.path.insert(0, str(REPO / "tests" / "core" / "checkpoint" / "scripts"))
 sys.path.insert(0, str(REPO / "examples"))
 from checkpoint_models import VOCAB, TinyLM  # noqa: E402
 

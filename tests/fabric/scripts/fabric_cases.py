@@ -112,7 +112,7 @@ def run_accumulation(name: str, data: TensorDataset, model: nn.Module, lr: float
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=2, shuffle=False))
-    steps, factors, windows, syncs = 0, [], [], []
+    steps, factors, windows, syncs, norms = 0, [], [], [], []
     inner = model._forward_module  # DDP or DeepSpeed's engine
     for batch, step in lightspeed.fabric.accumulate(fabric, model, loader, steps=4):
         x, y = batch[0], batch[1]
@@ -129,9 +129,10 @@ def run_accumulation(name: str, data: TensorDataset, model: nn.Module, lr: float
         else:
             step.backward(nn.functional.mse_loss(pred, y))
         if step.sync_gradients:
-            if mode == "clip":
-                fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            norm = fabric.clip_gradients(model, optimizer, max_norm=CLIP) if mode == "clip" else None
             optimizer.step()
+            if norm is not None:  # the total norm before clipping (ZeRO: filled in by the step)
+                norms.append(float(norm))
             optimizer.zero_grad()
             steps += 1
             factors.append(step.factor)
@@ -141,6 +142,7 @@ def run_accumulation(name: str, data: TensorDataset, model: nn.Module, lr: float
         "factors": factors,
         "window_sizes": windows,
         "syncs": syncs,
+        "norms": norms,
         "weights": {k: v.flatten().tolist() for k, v in weights_of(model).items()},
     }
 

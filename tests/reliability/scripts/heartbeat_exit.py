@@ -9,8 +9,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightspeed.core import hang_report
-from lightspeed.strategies import _process_group
+from lightspeed.core.reliability import hang_report
+from lightspeed.core.reliability import process_group as _process_group
 
 
 def no_pause(timeout: timedelta) -> float:

@@ -108,7 +108,7 @@ def crash(out: Path, name: str) -> None:
 
 def save_error(out: Path, name: str) -> None:
     """Rank 0 cannot create the staging directory (permissions): every rank must raise instead of waiting for it."""
-    from lightspeed.core import atomic_dir
+    from lightspeed.core.reliability import staging as atomic_dir
 
     L.seed_everything(0, verbose=False)
     target = out / "model.ckpt"

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from lightspeed.core.deepspeed_config import NVME_PATH_ENV
+from lightspeed.core.zero.config import NVME_PATH_ENV
 
 
 @dataclass(frozen=True)

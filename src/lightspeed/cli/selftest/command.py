@@ -23,8 +23,8 @@ from typing import Any
 from lightspeed.cli.selftest.checks import Check, compare_ranks, diagnose, last_error_line
 from lightspeed.cli.selftest.runner import free_port, run_process_group
 from lightspeed.cli.usage import EXIT_CHECK_FAILED, EXIT_OK, UsageError, require_nvme_path
-from lightspeed.core.deepspeed_config import NVME_PATH_ENV, ZERO_PRESETS, build_zero_config
-from lightspeed.core.deepspeed_runtime import export_deepspeed_accelerator
+from lightspeed.core.zero.config import NVME_PATH_ENV, ZERO_PRESETS, build_zero_config
+from lightspeed.core.zero.runtime import export_deepspeed_accelerator
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -12,6 +12,6 @@ No Lightning imports here: the Lightning callback and the command-line tool are 
   an export back into a module.
 """
 
-from lightspeed.core.checkpoint.errors import CheckpointError, ExportError
+from lightspeed.core.errors import CheckpointError, ExportError
 
 __all__ = ["CheckpointError", "ExportError"]

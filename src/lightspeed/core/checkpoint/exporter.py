@@ -8,14 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightspeed.core.checkpoint.errors import CheckpointError, ExportError
 from lightspeed.core.checkpoint.lightning_file_reader import LightningFileCheckpoint, read_lightning_file
 from lightspeed.core.checkpoint.options import ExportOptions
 from lightspeed.core.checkpoint.plan import OutputTensor, output_dtype, safetensors_metadata, select_keys
 from lightspeed.core.checkpoint.safetensors_writer import Progress, write_shards
-from lightspeed.core.checkpoint.staging import check_output_dir, staged_output
 from lightspeed.core.checkpoint.torch_zip import RegionReader
 from lightspeed.core.checkpoint.zero_reader import TensorSource, ZeroCheckpoint, assemble, read_zero_checkpoint
+from lightspeed.core.errors import CheckpointError, ExportError
+from lightspeed.core.reliability.staging import check_output_dir, staged_output
 
 __all__ = ["ExportResult", "export_checkpoint_path", "export_lightning_file", "export_zero_checkpoint"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightspeed.core.checkpoint.errors import ExportError
+from lightspeed.core.errors import ExportError
 
 __all__ = ["CONFIG_FILE", "GENERATION_CONFIG_FILE", "HFConfigFiles", "find_hf_config", "resolve_hf_config"]
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightspeed.core.checkpoint.errors import CheckpointError
 from lightspeed.core.checkpoint.torch_zip import FileRegion, load_lazy
 from lightspeed.core.checkpoint.zero_reader import TensorSource
+from lightspeed.core.errors import CheckpointError
 
 __all__ = ["LightningFileCheckpoint", "read_lightning_file"]
 

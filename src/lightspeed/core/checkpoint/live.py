@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightspeed.core.checkpoint.errors import ExportError
 from lightspeed.core.checkpoint.exporter import ExportResult
 from lightspeed.core.checkpoint.options import ExportOptions
 from lightspeed.core.checkpoint.plan import (
@@ -28,8 +27,9 @@ from lightspeed.core.checkpoint.plan import (
     wrapper_unwrapper,
 )
 from lightspeed.core.checkpoint.safetensors_writer import drain, write_shards
-from lightspeed.core.checkpoint.staging import check_output_dir_on_every_rank, staged_output
-from lightspeed.core.distributed import global_rank, is_distributed, raise_on_every_rank
+from lightspeed.core.common.distributed import global_rank, is_distributed, raise_on_every_rank
+from lightspeed.core.errors import ExportError
+from lightspeed.core.reliability.staging import check_output_dir_on_every_rank, staged_output
 
 __all__ = ["export_engine"]
 

@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from lightspeed.core.checkpoint.errors import ExportError
 from lightspeed.core.checkpoint.plan import TIED_METADATA_KEY
 from lightspeed.core.checkpoint.safetensors_writer import INDEX_FILE, SINGLE_FILE
+from lightspeed.core.errors import ExportError
 
 __all__ = ["LoadResult", "export_files", "load_exported"]
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightspeed.core.checkpoint import node_local
-from lightspeed.core.checkpoint.errors import CheckpointError
+from lightspeed.core.errors import CheckpointError
+from lightspeed.core.reliability import node_local
 
 __all__ = ["CheckpointFiles", "find_tag_dir", "locate"]
 

@@ -22,7 +22,7 @@ __all__ = ["ExportOptions"]
 @dataclass(frozen=True)
 class ExportOptions:
     """What to export and how to write it (validated at construction: a bad dtype or shard size raises
-    :class:`~lightspeed.core.checkpoint.errors.ExportError`).
+    :class:`~lightspeed.core.errors.ExportError`).
 
     Attributes:
         dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (or the torch dtype) for floating tensors; integer buffers keep

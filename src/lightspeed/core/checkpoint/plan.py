@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from lightspeed._version import __version__
-from lightspeed.core.checkpoint.errors import ExportError
+from lightspeed.core.errors import ExportError
 
 __all__ = [
     "DTYPES",

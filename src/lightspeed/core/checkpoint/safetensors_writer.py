@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from lightspeed.core.checkpoint.errors import ExportError
 from lightspeed.core.checkpoint.plan import OutputTensor
-from lightspeed.core.sizes import parse_size
+from lightspeed.core.common.sizes import parse_size
+from lightspeed.core.errors import ExportError
 
 __all__ = [
     "INDEX_FILE",

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from lightspeed.core.checkpoint.errors import CheckpointError
+from lightspeed.core.errors import CheckpointError
 
 __all__ = ["FileRegion", "OpaqueObject", "RegionReader", "TorchZipFile", "as_int", "load_lazy"]
 

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from lightspeed.core.checkpoint.errors import CheckpointError
 from lightspeed.core.checkpoint.locate import CheckpointFiles, locate
 from lightspeed.core.checkpoint.plan import wrapper_unwrapper
 from lightspeed.core.checkpoint.torch_zip import FileRegion, RegionReader, as_int, load_lazy
+from lightspeed.core.errors import CheckpointError
 
 __all__ = ["TensorSource", "ZeroCheckpoint", "assemble", "read_zero_checkpoint"]
 

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset
 
-from lightspeed.core.batch import count_samples
+from lightspeed.core.common.batch import count_samples
 
 Layout = Literal["strided", "shards"]
 

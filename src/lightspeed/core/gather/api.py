@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightspeed.core.distributed import is_distributed
+from lightspeed.core.common.distributed import is_distributed
 from lightspeed.core.gather.accounting import (
     GatherState,
     current_state,

@@ -33,19 +33,12 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from lightspeed.core.distributed import is_distributed
+from lightspeed.core.common.distributed import is_distributed
+from lightspeed.core.errors import CallSiteMismatch, GatherError
 from lightspeed.core.gather.accounting import GatherState, current_state
 
 TIMEOUT_ENV = "LIGHTSPEED_GATHER_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
-
-
-class GatherError(RuntimeError):
-    """Ranks disagree about a gather (structure, dtype, shape, call site), or a rank never arrived."""
-
-
-class CallSiteMismatch(GatherError):
-    """The ranks met in different calls: e.g. one gathers a batch while another checks the end of its dataloader."""
 
 
 class CallSite(IntEnum):

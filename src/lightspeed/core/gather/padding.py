@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightspeed.core.distributed import is_distributed
+from lightspeed.core.common.distributed import is_distributed
 from lightspeed.core.gather.collective import CallSite, agree
 from lightspeed.core.gather.tree import flatten, nested_problem
 

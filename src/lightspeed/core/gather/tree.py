@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightspeed.core.batch import count_samples
+from lightspeed.core.common.batch import count_samples
 
 LeafKind = Literal["tensor", "scalar", "objects", "object", "nested"]
 Rebuild = Callable[[list[Any]], Any]

@@ -20,7 +20,7 @@ from lightning.fabric.utilities.device_parser import _check_data_type
 from lightning.pytorch.accelerators.xla import XLAAccelerator as _LightningXLAAccelerator
 from typing_extensions import override
 
-from lightspeed.core.xla_runtime import (
+from lightspeed.core.xla.runtime import (
     pjrt_device_count,
     pjrt_device_type,
     torch_xla_installed,

@@ -27,7 +27,7 @@ from lightning.pytorch.plugins.precision.xla import XLAPrecision as _LightningXL
 from torch.nn import Module
 from typing_extensions import override
 
-from lightspeed.core.casting import cast_floating_tensors, cast_module_tensors, upcast_metric_updates
+from lightspeed.core.xla.casting import cast_floating_tensors, cast_module_tensors, upcast_metric_updates
 
 __all__ = ["DEPRECATED_XLA_ENV_VARS", "XLA_PRECISION_MODES", "XLAPrecision"]
 

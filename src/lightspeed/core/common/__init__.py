@@ -1,0 +1,1 @@
+"""What every feature of the core uses: rank helpers and agreement across ranks, byte sizes, counting samples."""

@@ -1,0 +1,85 @@
+"""Every exception a lightspeed user can meet, under one base class :class:`LightspeedError`.
+
+Each also derives from the built-in exception it was before (``ValueError`` for bad input, ``RuntimeError`` for a
+run that cannot go on, ``TypeError`` for a wrong kind of object), so ``except ValueError`` keeps working. Every
+message says what to change. The public import path is :mod:`lightspeed.errors`; this module sits at the bottom of
+``core/`` so every feature package can raise them without importing another.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CallSiteMismatch",
+    "CheckpointError",
+    "CollectiveTimeoutError",
+    "CudaInitializedError",
+    "DeepSpeedConfigError",
+    "ExportError",
+    "GatherError",
+    "IncompleteCheckpointError",
+    "LightspeedError",
+    "MemoryPlanError",
+    "StepOutputError",
+    "UnsupportedOffloadOptimizerError",
+    "WorldSizeMismatchError",
+]
+
+
+class LightspeedError(Exception):
+    """Base class of every exception lightspeed raises on purpose; its message tells the user what to change."""
+
+
+# ------------------------------------------------------------------------------------------------ configuration
+class DeepSpeedConfigError(LightspeedError, ValueError):
+    """A DeepSpeed config (or its combination with the Trainer's or Fabric's settings) cannot be used as given.
+
+    When several problems were found, all of them are listed so the config can be fixed in one go.
+    """
+
+
+class MemoryPlanError(LightspeedError, ValueError):
+    """Bad input to the memory planner (counts, sizes, factories) or a machine on which no ZeRO option fits."""
+
+
+class UnsupportedOffloadOptimizerError(LightspeedError, TypeError):
+    """The optimizer has no CPU implementation in DeepSpeed."""
+
+
+# ------------------------------------------------------------------------------------------------ launching
+class CudaInitializedError(LightspeedError, RuntimeError):
+    """CUDA was initialised in the process that would fork the workers."""
+
+
+class WorldSizeMismatchError(LightspeedError, ValueError):
+    """``num_nodes``/``devices`` disagree with the processes an external launcher started."""
+
+
+class CollectiveTimeoutError(LightspeedError, RuntimeError):
+    """A collective did not complete within the process group's timeout; names the collective and missing ranks."""
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+class CheckpointError(LightspeedError, ValueError):
+    """The checkpoint given is not a readable DeepSpeed ZeRO checkpoint (missing, truncated or mixed files), or does
+    not fit the model it is loaded into."""
+
+
+class IncompleteCheckpointError(LightspeedError, RuntimeError):
+    """A checkpoint directory that was not completely written (an interrupted save) or changed after it was."""
+
+
+class ExportError(LightspeedError, ValueError):
+    """The export cannot be written where asked, or does not fit the module it is loaded into."""
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+class GatherError(LightspeedError, RuntimeError):
+    """Ranks disagree about a gather (structure, dtype, shape, call site), or a rank never arrived."""
+
+
+class CallSiteMismatch(GatherError):
+    """The ranks met in different calls: e.g. one gathers a batch while another checks the end of its dataloader."""
+
+
+class StepOutputError(GatherError):
+    """``validation_step`` / ``test_step`` did not return the predictions and targets ``GatherForMetrics`` reads."""

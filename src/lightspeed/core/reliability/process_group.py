@@ -1,0 +1,216 @@
+"""The default process group that a lightspeed strategy (Trainer or Fabric) creates, and tearing it down with
+DeepSpeed's cached state.
+
+Creating it (:func:`lightspeed_process_group` around the front end's own set-up, for the ZeRO and ``ddp_exact``
+strategies, before Lightning or DeepSpeed would): the ``env://`` store gets a key prefix per ``torchrun`` restart
+attempt, so a restarted job never reads the peer addresses of the attempt that died, and every rank runs a heartbeat
+so that a collective that times out names the ranks that stopped answering (:func:`explain_timeout`,
+:mod:`lightspeed.core.reliability.hang_report`). The timeout is the strategy's ``timeout=`` (default 30 minutes,
+Lightning's), also for the groups DeepSpeed creates.
+
+A process group left alive until interpreter exit is destroyed while Python tears down its modules; gloo's (and
+NCCL's) native threads are then sometimes still running, and the process ends with ``terminate called without an
+active exception`` (exit code -6) after a successful run; the same happens when the heartbeat thread is inside a
+store write at that moment. lightspeed therefore stops and joins the heartbeat and destroys the group it created in
+an ``atexit`` hook, which runs while the interpreter is still whole; not at the end of a run, since the training engine
+kept for evaluation, ZeRO-3 partitioned modules and the user's own ``torch.distributed`` calls after ``fit`` (even a
+failed one) still use it. A group the user created is never touched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lightspeed.core.errors import CollectiveTimeoutError
+from lightspeed.core.reliability import hang_report
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "apply_timeout_to_deepspeed_groups",
+    "destroy_owned_group",
+    "explain_timeout",
+    "group_is_initialized",
+    "init_process_group",
+    "lightspeed_process_group",
+    "restart_prefix",
+    "set_position",
+    "take_ownership",
+    "timeouts_explained",
+]
+
+log = logging.getLogger(__name__)
+
+_owned = False
+_hook_registered = False
+
+
+def group_is_initialized() -> bool:
+    """True when the default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def take_ownership() -> None:
+    """Record that lightspeed created the default process group (it destroys it at the latest at exit)."""
+    global _owned, _hook_registered
+    _owned = True
+    if not _hook_registered:
+        atexit.register(destroy_owned_group)
+        _hook_registered = True
+
+
+def destroy_owned_group() -> None:
+    """Destroy the default process group if lightspeed created it, and reset DeepSpeed's communication state so the
+    next ``deepspeed.init_distributed`` (the next ``fit``/``validate``) creates everything afresh."""
+    global _owned, _heartbeat
+    if not _owned:
+        return
+    _owned = False
+    if _heartbeat is not None:
+        _heartbeat.stop(wait=HEARTBEAT_STORE_TIMEOUT.total_seconds() + 1)
+        _heartbeat = None
+    _monitor.clear()
+    if not group_is_initialized():
+        return
+    try:
+        import deepspeed.comm as ds_comm
+        import deepspeed.comm.comm as ds_comm_state
+    except ImportError:  # pragma: no cover - DeepSpeed is a dependency
+        dist.destroy_process_group()
+        return
+    if ds_comm_state.cdb is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()  # also drops DeepSpeed's cached groups (deepspeed.utils.groups)
+    if group_is_initialized():
+        dist.destroy_process_group()
+    ds_comm_state.cdb = None
+    log.debug("lightspeed destroyed the default process group it created")
+
+
+# ---------------------------------------------------------------------------------------- creating the process group
+#: the process group's timeout when the strategy gets ``timeout=None`` (Lightning's default is the same)
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+#: longest a heartbeat write (or the hang report's read) may wait for the store
+HEARTBEAT_STORE_TIMEOUT = timedelta(seconds=20)
+
+
+def restart_prefix() -> str:
+    """Store prefix of this launch attempt: ``TORCHELASTIC_RESTART_COUNT`` under torchrun, else ``0``."""
+    return f"lightspeed/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def init_process_group(backend: str, rank: int, world_size: int, timeout: timedelta | None) -> None:
+    """Create the default process group over ``MASTER_ADDR:MASTER_PORT`` (the ``env://`` rendezvous), with every key
+    under a prefix of its own per restart attempt, and start this rank's heartbeat.
+
+    torchrun keeps one store for all attempts of a job; without the prefix, the workers of a restarted attempt can
+    read the peer addresses the dead attempt left there and hang or fail with ``connectFullMesh ... Connection
+    refused``. Does nothing when a default group exists. Callers set ``MASTER_ADDR``/``MASTER_PORT`` first.
+    """
+    global _heartbeat
+    if group_is_initialized():
+        return
+    timeout = timeout or DEFAULT_TIMEOUT
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    prefix = restart_prefix()
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size, timeout=timeout
+    )
+    take_ownership()
+    if world_size > 1:
+        interval = hang_report.heartbeat_interval(timeout)
+        # a heartbeat write never waits long: a stalled store must not hold up the join at exit (see Heartbeat.stop)
+        client = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+        client.set_timeout(min(timeout, HEARTBEAT_STORE_TIMEOUT))
+        _monitor.update(
+            store=dist.PrefixStore(prefix, client), rank=rank, world_size=world_size, timeout=timeout, interval=interval
+        )
+        _heartbeat = hang_report.Heartbeat(_monitor["store"], rank, interval, _position_text).start()
+    log.debug("lightspeed created the default process group (store prefix %s)", prefix)
+
+
+_heartbeat: hang_report.Heartbeat | None = None
+_monitor: dict[str, Any] = {}
+_position: Callable[[], str] | None = None
+
+
+def set_position(position: Callable[[], str] | None) -> None:
+    """Where this rank is (e.g. ``lambda: f"step {trainer.global_step}"``), published with its heartbeat."""
+    global _position
+    _position = position
+
+
+def _position_text() -> str:
+    return _position() if _position is not None else ""
+
+
+@contextmanager
+def lightspeed_process_group(
+    backend: str, rank: int, world_size: int, timeout: timedelta | None, *, before_creating: Callable[[], None]
+) -> Iterator[None]:
+    """Wrap a front end's process set-up: unless a default group exists, ``before_creating()`` (the front end sets
+    ``MASTER_ADDR``/``MASTER_PORT`` and the rank variables) and :func:`init_process_group` run first, so Lightning and
+    DeepSpeed adopt lightspeed's group inside the block; afterwards the groups DeepSpeed created get ``timeout``
+    too. A group the user created is left as it is."""
+    existed = group_is_initialized()
+    if not existed:
+        before_creating()
+        init_process_group(backend, rank, world_size, timeout)
+    yield
+    if not existed and group_is_initialized():
+        take_ownership()
+        apply_timeout_to_deepspeed_groups(timeout)
+
+
+@contextmanager
+def timeouts_explained() -> Iterator[None]:
+    """Re-raise a collective timeout in lightspeed's group as :class:`CollectiveTimeoutError` naming the collective
+    and the ranks that stopped answering (see :func:`explain_timeout`); any other error passes unchanged."""
+    try:
+        yield
+    except Exception as error:
+        explained = explain_timeout(error)
+        if explained is None:
+            raise
+        raise explained from error
+
+
+def explain_timeout(error: BaseException) -> CollectiveTimeoutError | None:
+    """A :class:`~lightspeed.errors.CollectiveTimeoutError` naming the collective and the ranks that did not arrive
+    when ``error`` is a collective timeout in the group lightspeed created, else None. Waits about two heartbeat
+    intervals to tell stopped ranks from live ones."""
+    if not _monitor or not hang_report.is_collective_timeout(error):
+        return None
+    stopped, notes = hang_report.describe_missing_ranks(
+        _monitor["store"], _monitor["world_size"], _monitor["rank"], _monitor["interval"], _position_text()
+    )
+    message = hang_report.timeout_message(
+        error, _monitor["timeout"], _monitor["rank"], stopped, notes, hang_report.collective_name(error.__traceback__)
+    )
+    return CollectiveTimeoutError(message)
+
+
+def apply_timeout_to_deepspeed_groups(timeout: timedelta | None) -> None:
+    """Make the groups DeepSpeed creates (its data-parallel clone of the world group, ZeRO's partition groups) use
+    ``timeout`` too: ``deepspeed.comm`` creates them with ``torch.distributed.new_group(ranks)``, which otherwise
+    gets torch's 30-minute default and ignores the strategy's ``timeout=``. Changes only DeepSpeed's communication
+    backend object of this process group."""
+    import deepspeed.comm.comm as ds_comm_state
+
+    backend = ds_comm_state.cdb
+    if backend is None or timeout is None or getattr(backend, "_lightspeed_timeout", None) == timeout:
+        return
+
+    def new_group(ranks: Any) -> Any:
+        return dist.new_group(ranks, timeout=timeout)
+
+    backend.new_group = new_group
+    backend._lightspeed_timeout = timeout

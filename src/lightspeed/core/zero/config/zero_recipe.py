@@ -1,0 +1,154 @@
+"""The one recipe for a ZeRO strategy's DeepSpeed config: named presets, argument checks, the NVMe directory, the
+user's config merged over the preset, and key validation.
+
+Every entry point builds its config here: :class:`~lightspeed.strategies.ZeroStrategy` and ``zero_auto`` at
+construction or setup, ``lightspeed config NAME`` and ``lightspeed test``. The result still holds ``"auto"`` values;
+:func:`~lightspeed.core.zero.config.resolve_config` fills them from the Trainer and the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from lightspeed.core.zero.config.choices import AUTO, check_zero_stage, offload_target
+from lightspeed.core.zero.config.errors import DeepSpeedConfigError
+from lightspeed.core.zero.config.loading import load_user_config
+from lightspeed.core.zero.config.merging import merge_configs
+from lightspeed.core.zero.config.nvme import resolve_nvme_path
+from lightspeed.core.zero.config.presets import zero_preset
+from lightspeed.core.zero.config.validation import validate_keys
+
+
+@dataclass(frozen=True)
+class ZeroPreset:
+    """What a registered strategy name such as ``zero3_offload`` stands for."""
+
+    stage: int
+    offload_optimizer: str = "none"
+    offload_parameters: str = "none"
+    description: str = ""
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.offload_optimizer, self.offload_parameters)
+
+    def init_params(self) -> dict[str, Any]:
+        """The strategy's constructor arguments for this preset (offloads only when there are any)."""
+        params: dict[str, Any] = {"stage": self.stage}
+        if self.offload_optimizer != "none":
+            params["offload_optimizer"] = self.offload_optimizer
+        if self.offload_parameters != "none":
+            params["offload_parameters"] = self.offload_parameters
+        return params
+
+
+#: registered strategy name -> preset
+ZERO_PRESETS: dict[str, ZeroPreset] = {
+    "zero1": ZeroPreset(1, description="ZeRO-1: optimizer states partitioned across ranks"),
+    "zero1_offload": ZeroPreset(
+        1, "cpu", description="ZeRO-1 with optimizer states and step on the CPU (DeepSpeed CPU Adam)"
+    ),
+    "zero2": ZeroPreset(2, description="ZeRO-2: optimizer states and gradients partitioned"),
+    "zero2_offload": ZeroPreset(
+        2, "cpu", description="ZeRO-2 with optimizer states and step on the CPU (ZeRO-Offload)"
+    ),
+    "zero3": ZeroPreset(3, description="ZeRO-3: optimizer states, gradients and parameters partitioned"),
+    "zero3_offload_optimizer": ZeroPreset(
+        3, "cpu", description="ZeRO-3 with optimizer states and step on the CPU, parameters on the device"
+    ),
+    "zero3_offload": ZeroPreset(
+        3, "cpu", "cpu", description="ZeRO-3 with optimizer states and parameters offloaded to the CPU"
+    ),
+    "zero3_nvme": ZeroPreset(
+        3,
+        "nvme",
+        "nvme",
+        description="ZeRO-Infinity: optimizer states and parameters offloaded to NVMe (nvme_path or "
+        "$LIGHTSPEED_NVME_PATH)",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ZeroTuning:
+    """The knobs beyond stage and offload targets; sizes in elements, ``"auto"`` derives them from the model."""
+
+    pin_memory: bool = True
+    reduce_bucket_size: int | str = AUTO
+    allgather_bucket_size: int | str = AUTO
+    prefetch_bucket_size: int | str = AUTO
+    param_persistence_threshold: int | str = AUTO
+    sub_group_size: int | None = None
+
+    def for_stage(self, stage: int) -> ZeroTuning:
+        """A copy without the knobs ``stage`` does not have (for a stage chosen later, as ``zero_auto`` does)."""
+        if stage == 3:
+            return dataclasses.replace(self, allgather_bucket_size=AUTO)  # stage 3 gathers in prefetch chunks
+        return dataclasses.replace(
+            self, prefetch_bucket_size=AUTO, param_persistence_threshold=AUTO, sub_group_size=None
+        )
+
+
+def build_zero_config(
+    stage: Any,
+    offload_optimizer: str | bool | None = "none",
+    offload_parameters: str | bool | None = "none",
+    *,
+    nvme_path: str | os.PathLike | None = None,
+    user_config: dict | str | os.PathLike | None = None,
+    tuning: ZeroTuning = ZeroTuning(),
+    front_end: str = "Trainer",
+) -> dict[str, Any]:
+    """The DeepSpeed config of ZeRO ``stage`` with the given offload targets, before ``"auto"`` resolution.
+
+    Checks the stage and the offload targets (``True`` means ``"cpu"``), resolves the NVMe directory from
+    ``nvme_path`` or ``$LIGHTSPEED_NVME_PATH`` when something is offloaded to NVMe (ignored otherwise), builds the
+    preset, merges ``user_config`` (a dict or a JSON path; its values win) over it and rejects unknown keys and bad
+    values. Every problem raises :class:`DeepSpeedConfigError` saying what to change, naming ``front_end``'s
+    arguments (``"Trainer"`` or ``"Fabric"``).
+    """
+    check_zero_stage(stage)
+    optimizer_target = offload_target(offload_optimizer, "offload_optimizer")
+    parameter_target = offload_target(offload_parameters, "offload_parameters")
+    uses_nvme = "nvme" in (optimizer_target, parameter_target)
+    user = load_user_config(user_config)
+    preset = zero_preset(
+        stage,
+        offload_optimizer=optimizer_target,
+        offload_parameters=parameter_target,
+        nvme_path=resolve_nvme_path(nvme_path) if uses_nvme else None,
+        **dataclasses.asdict(tuning),
+    )
+    check_zero_section(user)
+    merged = merge_configs(preset, user)
+    validate_keys(merged, front_end)
+    return merged
+
+
+def check_zero_section(user_config: dict[str, Any]) -> None:
+    """Refuse the boolean form of ``zero_optimization``: the strategy, not the config, chooses the stage."""
+    if not isinstance(user_config.get("zero_optimization", {}), dict):
+        raise DeepSpeedConfigError(
+            '`zero_optimization` must be an object such as {"stage": 2}; lightspeed\'s ZeRO strategies choose '
+            "the stage by name or `stage=`, so the boolean form is not accepted."
+        )
+
+
+def config_stage(config: dict[str, Any]) -> int:
+    """The ZeRO stage a built config trains with (0 when it has no ``zero_optimization`` section)."""
+    return int((config.get("zero_optimization") or {}).get("stage", 0))
+
+
+def config_uses_nvme(config: dict[str, Any]) -> bool:
+    """Whether a built config offloads anything to NVMe."""
+    zero = config.get("zero_optimization") or {}
+    return any((zero.get(key) or {}).get("device") == "nvme" for key in ("offload_optimizer", "offload_param"))
+
+
+def config_offloads_optimizer(config: dict[str, Any]) -> bool:
+    """Whether a built config runs the optimizer step on the CPU (states on the CPU or NVMe)."""
+    zero = config.get("zero_optimization") or {}
+    return (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")

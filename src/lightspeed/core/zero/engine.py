@@ -1,0 +1,173 @@
+"""The ZeRO strategy steps that do not depend on which Lightning loop drives them (the Trainer's
+:class:`~lightspeed.strategies.ZeroStrategy` or Fabric's :class:`~lightspeed.fabric.ZeroFabricStrategy`).
+
+* :func:`prepare_deepspeed_process`: DeepSpeed's accelerator and the NVMe check, in every rank before the group;
+* :func:`prepare_optimizer`: the optimizer an offloading config runs (CPU Adam/Adagrad), its scheduler retargeted;
+* :func:`initialize_engine`: ``deepspeed.initialize`` with the device rank that also works on the CPU;
+* :func:`save_zero_checkpoint` / :func:`check_loadable`: the checkpoint directory layout every lightspeed reader
+  (resume, ``lightspeed export``) understands, staged and committed only when all ranks finished;
+* :func:`one_optimizer_error`: the message for a second optimizer.
+
+No Lightning here; DeepSpeed is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightspeed.core.common.distributed import is_distributed
+from lightspeed.core.reliability import staging as atomic_dir
+from lightspeed.core.reliability.node_local import NodePosition
+from lightspeed.core.reliability.staging import StagedCheckpointSaver
+from lightspeed.core.zero.config import (
+    DeepSpeedConfigError,
+    config_offloads_optimizer,
+    config_stage,
+    describe_config,
+)
+from lightspeed.core.zero.cpu_optimizer import prepare_offloaded_optimizer, retarget_lr_scheduler
+from lightspeed.core.zero.runtime import async_io_problem, deepspeed_device_rank, use_deepspeed_accelerator
+
+__all__ = [
+    "CHECKPOINT_TAG",
+    "RESOLVED_CONFIG_FILENAME",
+    "check_loadable",
+    "initialize_engine",
+    "one_optimizer_error",
+    "prepare_deepspeed_process",
+    "prepare_optimizer",
+    "save_zero_checkpoint",
+]
+
+#: file written next to DeepSpeed's files in every checkpoint directory
+RESOLVED_CONFIG_FILENAME = "ds_config.json"
+#: DeepSpeed's tag directory inside every checkpoint directory (Lightning's choice, kept for its readers)
+CHECKPOINT_TAG = "checkpoint"
+
+
+def prepare_deepspeed_process(kind: str, uses_nvme: bool) -> None:
+    """Make DeepSpeed use accelerator ``kind`` (``"cpu"``/``"cuda"``) in this rank and refuse NVMe offload where
+    DeepSpeed's async I/O op cannot run, before the process group or any engine exists."""
+    use_deepspeed_accelerator(kind)
+    if uses_nvme:
+        problem = async_io_problem()
+        if problem is not None:
+            raise DeepSpeedConfigError(f"NVMe offload cannot run here: {problem}")
+
+
+def one_optimizer_error(got: str, where: str) -> DeepSpeedConfigError:
+    """The error for anything but one optimizer: ``got`` what was passed (``"2 optimizers"``) ``where`` (e.g.
+    ``"`configure_optimizers` returned"``)."""
+    return DeepSpeedConfigError(
+        f"ZeRO strategies train with exactly one optimizer, but {where} {got}. Use one optimizer with several param "
+        "groups (each group can have its own lr and weight_decay)."
+    )
+
+
+def prepare_optimizer(
+    optimizer: torch.optim.Optimizer, lr_scheduler: Any, config: dict[str, Any]
+) -> tuple[torch.optim.Optimizer, str | None]:
+    """The optimizer ``config`` trains with: under optimizer offload a torch Adam/AdamW/Adagrad becomes DeepSpeed's
+    CPU version (``lr_scheduler``, a torch scheduler or None, is moved onto it); returns it and a log line or None.
+    ``config`` may gain ``zero_force_ds_cpu_optimizer`` (see :func:`prepare_offloaded_optimizer`)."""
+    if not config_offloads_optimizer(config):
+        return optimizer, None
+    converted, message = prepare_offloaded_optimizer(optimizer, config)
+    if converted is not optimizer and lr_scheduler is not None:
+        retarget_lr_scheduler(lr_scheduler, converted)
+    return converted, message
+
+
+def initialize_engine(
+    config: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    lr_scheduler: Any,
+    device_index: int | None,
+    local_rank: int,
+) -> tuple[Any, Any, Any]:
+    """``deepspeed.initialize`` on an existing process group; returns ``(engine, optimizer, lr_scheduler)``.
+
+    ``device_index`` is the root device's CUDA index (None on the CPU, where the local rank is used)."""
+    import deepspeed
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, deepspeed_optimizer, _, scheduler = deepspeed.initialize(
+        args=argparse.Namespace(device_rank=deepspeed_device_rank(device_index, local_rank)),
+        config=config,
+        model=model,
+        model_parameters=trainable if optimizer is not None else [],
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        dist_init_required=False,
+    )
+    return engine, deepspeed_optimizer, scheduler
+
+
+def save_zero_checkpoint(
+    saver: StagedCheckpointSaver,
+    engine: Any,
+    target: str | os.PathLike[str],
+    client_state: dict[str, Any],
+    *,
+    world_size: int,
+    config: dict[str, Any],
+    exclude_frozen_parameters: bool = False,
+    manifest_extra: dict[str, Any] | None = None,
+    node: NodePosition | None = None,
+) -> Path:
+    """Write ``engine``'s (sharded) state plus ``client_state`` into ``target`` through a staging directory that is
+    committed (completion marker, resolved config beside it) only once every rank wrote its files. A collective:
+    every rank calls it with the same ``target``. With ``node`` (node-local storage) every node commits its own
+    ``target`` (see :class:`StagedCheckpointSaver`)."""
+
+    def write(staging: Path) -> None:
+        try:
+            engine.save_checkpoint(
+                str(staging),
+                client_state=client_state,
+                tag=CHECKPOINT_TAG,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
+        except OSError:
+            # A write error (a full disk) happens after DeepSpeed's last collective but before its final barrier,
+            # where the other ranks now wait: meet them there, so every rank reaches the saver's agreement at once
+            # instead of after the process-group timeout. (A failed collective, e.g. a dead peer, is not met.)
+            if is_distributed():
+                import torch.distributed as dist
+
+                dist.barrier()
+            raise
+
+    manifest: dict[str, Any] = {
+        "writer": "lightspeed",
+        "world_size": world_size,
+        "zero_stage": config_stage(config),
+        "tag": CHECKPOINT_TAG,
+    }
+    manifest.update(manifest_extra or {})
+    extra_files = {RESOLVED_CONFIG_FILENAME: describe_config(config)}
+    if node is not None:
+        extra_files["latest"] = CHECKPOINT_TAG  # DeepSpeed writes it on rank 0's node only; every node resumes
+    return saver.save(target, write, manifest=manifest, extra_files=extra_files, node=node)
+
+
+def check_loadable(path: str | os.PathLike[str]) -> str | None:
+    """Raise when ``path`` is not a checkpoint that can be resumed (missing, interrupted save); return a warning
+    for a plain DeepSpeed checkpoint directory without lightspeed's completion marker, else None."""
+    path = Path(path)
+    if not path.exists():
+        atomic_dir.require_complete(path)  # explains a save interrupted mid-swap, or that nothing is there
+    if path.is_dir() and not atomic_dir.is_complete(path):
+        if atomic_dir.staging_path(path).exists() or not (path / "latest").is_file():
+            atomic_dir.require_complete(path)  # raises with the explanation
+        return (
+            f"Checkpoint {str(path)!r} was not written by lightspeed (no completion marker); loading it as a plain "
+            "DeepSpeed checkpoint."
+        )
+    return None

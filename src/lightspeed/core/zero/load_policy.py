@@ -1,0 +1,160 @@
+"""What happens before a ZeRO checkpoint is loaded, and how it is loaded: the same for the Trainer's ``ckpt_path=``
+and Fabric's ``fabric.load``.
+
+* :func:`check_before_loading`: a missing checkpoint or an interrupted save is an error saying what to do; a
+  truncated or replaced shard, another model (any parameter whose shape differs), or a node-local checkpoint whose
+  nodes hold parts of different saves is one error raised on every rank, before anything is loaded or any step runs.
+* :func:`checkpoint_to_load`: the directory DeepSpeed's ``load_checkpoint`` should read. A checkpoint written by
+  another number of processes is converted to DeepSpeed's universal format beside it (rank 0), loaded by every
+  rank into its own partition, and the converted copy removed afterwards.
+* :func:`load_weights_for_evaluation`: weights only, from the rank files of any stage and world size, tensor by
+  tensor into a (possibly partitioned) model without a ZeRO optimizer.
+
+Every function is a collective where it says so: every rank calls it with the same path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightspeed.core.common.distributed import global_rank, is_distributed, raise_on_every_rank
+from lightspeed.core.errors import CheckpointError, IncompleteCheckpointError
+from lightspeed.core.reliability import reshard
+from lightspeed.core.reliability import staging as atomic_dir
+from lightspeed.core.reliability.node_local import require_part as require_node_local_part
+from lightspeed.core.zero.engine import check_loadable
+from lightspeed.core.zero.weights import check_fits, load_zero_weights, read_client_state, read_structure
+
+__all__ = ["check_before_loading", "checkpoint_to_load", "load_weights_for_evaluation"]
+
+
+def _what(path: Path) -> str:
+    return f"Loading checkpoint {str(path)!r}"
+
+
+def check_before_loading(
+    path: str | os.PathLike[str],
+    *,
+    module: torch.nn.Module | None,
+    strict: bool = True,
+    node_rank: int | None = None,
+    warn: Callable[[str], None],
+) -> None:
+    """Every check that can fail before a checkpoint is loaded (a collective).
+
+    ``module`` (None: no shape check) is compared with the checkpoint's parameter shapes; ``strict`` also refuses
+    parameters missing on either side. ``node_rank`` (node-local storage) checks this node's part and that every node
+    holds the same save. A plain DeepSpeed checkpoint without lightspeed's completion marker is loaded after
+    ``warn`` says so."""
+    path = Path(path)
+    if node_rank is not None:
+        _check_node_local_part(path, node_rank)
+        return
+    warning = check_loadable(path)  # missing or interrupted: an error explaining it
+    if warning is not None:
+        warn(warning)
+    if path.is_dir() and atomic_dir.is_complete(path):
+        damaged: IncompleteCheckpointError | None = None
+        try:
+            atomic_dir.require_intact(path, include_missing=False)  # a truncated shard: error on every rank
+        except IncompleteCheckpointError as err:
+            damaged = err
+        raise_on_every_rank(damaged, _what(path), error_type=IncompleteCheckpointError)
+    if module is not None and path.is_dir():
+        misfit: CheckpointError | None = None
+        try:
+            check_fits(module, read_structure(path), strict=strict)
+        except CheckpointError as err:
+            misfit = err
+        raise_on_every_rank(misfit, _what(path), error_type=CheckpointError)
+
+
+def _check_node_local_part(path: Path, node_rank: int) -> None:
+    what = f"Loading node-local checkpoint {str(path)!r}"
+    error: CheckpointError | None = None
+    save_id = None
+    try:
+        save_id = require_node_local_part(path, node_rank).save_id
+    except CheckpointError as err:
+        error = err
+    raise_on_every_rank(error, what, error_type=CheckpointError)
+    ids: list[Any] = [save_id]
+    if is_distributed():
+        ids = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ids, save_id)
+    if len(set(ids)) > 1:
+        raise CheckpointError(
+            f"{what}: the nodes hold parts of different saves (a node did not commit the latest one); resume from an "
+            "earlier checkpoint, or copy the matching directories back."
+        )
+
+
+@contextmanager
+def checkpoint_to_load(
+    engine: Any, path: str | os.PathLike[str], world_size: int, *, info: Callable[[str], None]
+) -> Iterator[str]:
+    """Yield the directory ``engine.load_checkpoint`` reads for ``path`` (a collective).
+
+    When lightspeed's marker says ``path`` was written by another number of processes, rank 0 converts it to
+    DeepSpeed's universal format (weights and optimizer states, one parameter at a time) beside it, the engine is
+    switched to universal loading while the caller loads, and the converted copy is deleted afterwards; ``info`` is
+    told. Otherwise ``path`` itself is yielded."""
+    path = Path(path)
+    saved = reshard.saved_world_size(path) if path.is_dir() else None
+    if saved is None or saved == world_size:
+        yield str(path)
+        return
+    error: Exception | None = None
+    if global_rank() == 0:
+        try:
+            reshard.convert_to_universal(path, "checkpoint")
+        except Exception as err:  # noqa: BLE001 - re-raised here, reported on the other ranks
+            error = err
+    raise_on_every_rank(error, f"Resharding checkpoint {str(path)!r}", error_type=CheckpointError)
+    engine._config.load_universal_checkpoint = True
+    try:
+        yield str(reshard.universal_path(path))
+    finally:
+        engine._config.load_universal_checkpoint = False
+        if is_distributed():
+            torch.distributed.barrier()
+        if global_rank() == 0:
+            reshard.remove_universal(path)
+    info(
+        f"lightspeed: checkpoint {str(path)!r} was written by {saved} processes, this run has {world_size}: "
+        "converted it through DeepSpeed's universal checkpoint format (weights and optimizer states) and loaded it."
+    )
+
+
+def load_weights_for_evaluation(
+    module: torch.nn.Module, path: str | os.PathLike[str], *, rank: int, strict: bool = True
+) -> dict[str, Any]:
+    """Evaluation from a ZeRO checkpoint (a collective): its weights, read from the rank files of any stage and world
+    size, go straight into the (possibly partitioned) ``module``, tensor by tensor; returns the client state saved
+    beside them (the Trainer's loop state, Fabric's user state).
+
+    DeepSpeed's inference engine has no ZeRO optimizer to restore shards into, so its ``load_checkpoint`` cannot be
+    used; every rank reads the checkpoint's layout, so a missing rank file is an error on every rank."""
+    path = Path(path)
+    error: CheckpointError | None = None
+    client_state: dict[str, Any] = {}
+    structure = None
+    try:
+        structure = read_structure(path)
+        client_state = read_client_state(structure)
+    except CheckpointError as err:
+        error = err
+    raise_on_every_rank(error, _what(path), error_type=CheckpointError)
+    assert structure is not None
+    try:
+        load_zero_weights(module, structure, rank=rank, strict=strict)
+    except CheckpointError as err:
+        error = err
+    raise_on_every_rank(error, _what(path), error_type=CheckpointError)
+    return client_state

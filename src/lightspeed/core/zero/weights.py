@@ -1,0 +1,174 @@
+"""Load the weights of a ZeRO checkpoint (any stage, any world size) into a live module, tensor by tensor.
+
+Used for evaluation from a checkpoint (``Trainer.validate/test/predict(ckpt_path=...)``) in a process that did not
+train: DeepSpeed's inference engine has no optimizer to load ZeRO shards into, so DeepSpeed's own
+``load_checkpoint`` cannot restore them. Instead every tensor's full value is assembled from the rank files
+(:mod:`lightspeed.core.checkpoint.zero_reader`, fp32 master weights where the checkpoint has them) and copied into
+the module: a ZeRO-3 partitioned parameter under ``deepspeed.zero.GatheredParameters(modifier_rank=0)`` (rank 0
+reads it, DeepSpeed re-partitions it), anything else by every rank. One tensor is in memory at a time, never the
+whole model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightspeed.core.checkpoint.torch_zip import RegionReader
+from lightspeed.core.checkpoint.zero_reader import TensorSource, ZeroCheckpoint, assemble, read_zero_checkpoint
+from lightspeed.core.errors import CheckpointError
+
+__all__ = ["DEEPSPEED_STATE_KEYS", "check_fits", "load_zero_weights", "read_client_state", "read_structure"]
+
+#: entries of DeepSpeed's model states files that are DeepSpeed's own, not the client state (Lightning's)
+DEEPSPEED_STATE_KEYS = frozenset(
+    {
+        "module",
+        "optimizer",
+        "lr_scheduler",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "data_sampler",
+        "random_ltd",
+        "buffer_names",
+        "param_shapes",
+        "frozen_param_shapes",
+        "frozen_param_fragments",
+        "shared_params",
+        "ds_config",
+        "ds_version",
+    }
+)
+
+
+def read_structure(checkpoint: str | os.PathLike) -> ZeroCheckpoint:
+    """Where every tensor of ``checkpoint`` lives; raises :class:`CheckpointError` naming a missing rank file."""
+    return read_zero_checkpoint(checkpoint)
+
+
+def read_client_state(structure: ZeroCheckpoint) -> dict[str, Any]:
+    """The client state (what Lightning saved next to the weights) from the first model states file.
+
+    The file is memory-mapped, so the weights stored in it are not read.
+    """
+    files = structure.files
+    path = files.model_files.get(0) or files.tag_dir / "mp_rank_00_model_states.pt"
+    if not Path(path).is_file():
+        raise CheckpointError(f"{files.tag_dir} is missing {Path(path).name}")
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return {key: value for key, value in state.items() if key not in DEEPSPEED_STATE_KEYS}
+
+
+def _targets(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    targets: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        targets[name] = param
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        targets[name] = buffer
+    return targets
+
+
+def _persistent_keys(module: torch.nn.Module) -> set[str]:
+    """The tensor keys of ``module.state_dict()`` without materialising ZeRO-3 partitioned parameters."""
+    keys: set[str] = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, param in sub._parameters.items():
+            if param is not None:
+                keys.add(dot + name)
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                keys.add(dot + name)
+    return keys
+
+
+def load_zero_weights(module: torch.nn.Module, structure: ZeroCheckpoint, *, rank: int, strict: bool = True) -> None:
+    """Copy every tensor of ``structure`` into ``module`` (ZeRO-3 partitioned or not), one tensor at a time.
+
+    Every rank must call this with the same ``structure`` (partitioned parameters are re-partitioned with a
+    collective per parameter). ``strict`` refuses checkpoint tensors the module lacks and module tensors the
+    checkpoint lacks, before anything is copied.
+    """
+    targets = _targets(module)
+    stored = {source.name for source in structure.tensors} | set(structure.aliases)
+    if strict:
+        unexpected = sorted(stored - set(targets))
+        missing = sorted(_persistent_keys(module) - stored)
+        if unexpected or missing:
+            parts = []
+            if missing:
+                parts.append(f"missing from the checkpoint: {', '.join(missing)}")
+            if unexpected:
+                parts.append(f"not in the model: {', '.join(unexpected)}")
+            raise CheckpointError(
+                f"{structure.files.tag_dir} does not fit the model ({'; '.join(parts)}). Pass the checkpoint of "
+                "this model, or set `model.strict_loading = False` to load the matching tensors only."
+            )
+    reader = RegionReader()
+    failure: CheckpointError | None = None
+    try:
+        for source in structure.tensors:
+            target = targets.get(source.name)
+            if target is None:
+                continue
+            model_shape = tuple(getattr(target, "ds_shape", target.shape))
+            if failure is None and tuple(source.shape) != model_shape:
+                failure = CheckpointError(
+                    f"{structure.files.tag_dir}: {source.name!r} has shape {tuple(source.shape)} in the checkpoint "
+                    f"but {model_shape} in the model"
+                )
+            # after a failure the loop goes on without reading, so that every rank runs the same collectives
+            if hasattr(target, "ds_id"):
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
+                    if rank == 0 and failure is None:
+                        failure = _copy(source, reader, target)
+            elif failure is None:
+                failure = _copy(source, reader, target)
+    finally:
+        reader.close()
+    if failure is not None:
+        raise failure
+
+
+def _copy(source: TensorSource, reader: RegionReader, target: torch.Tensor) -> CheckpointError | None:
+    try:
+        value = assemble(source, reader)
+    except (CheckpointError, OSError, RuntimeError) as err:
+        return err if isinstance(err, CheckpointError) else CheckpointError(f"reading {source.name!r}: {err}")
+    with torch.no_grad():
+        target.data.copy_(value)
+    return None
+
+
+def check_fits(module: torch.nn.Module, structure: ZeroCheckpoint, *, strict: bool = True) -> None:
+    """Raise one :class:`CheckpointError` listing every tensor of ``structure`` whose shape differs from the
+    module's (and, with ``strict``, the tensors only one side has); reads no tensor data."""
+    targets = _targets(module)
+    problems = []
+    for source in structure.tensors:
+        target = targets.get(source.name)
+        if target is None:
+            continue
+        model_shape = tuple(getattr(target, "ds_shape", target.shape))
+        if tuple(source.shape) != model_shape:
+            problems.append(f"{source.name}: {tuple(source.shape)} in the checkpoint, {model_shape} in the model")
+    if strict:
+        stored = {source.name for source in structure.tensors} | set(structure.aliases)
+        problems += [f"{name}: not in the model" for name in sorted(stored - set(targets))]
+        problems += [f"{name}: missing from the checkpoint" for name in sorted(_persistent_keys(module) - stored)]
+    if problems:
+        listing = "\n  ".join(problems)
+        raise CheckpointError(
+            f"Checkpoint {str(structure.files.tag_dir.parent)!r} is not a checkpoint of this model; "
+            f"{len(problems)} parameter(s) do not match:\n  {listing}\nResume from a checkpoint of the same model "
+            "(or load matching weights only with `model.strict_loading = False` outside `fit`)."
+        )

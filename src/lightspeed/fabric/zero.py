@@ -1,0 +1,528 @@
+"""``ZeroFabricStrategy``: the Trainer's ZeRO strategies (on CUDA and on the CPU) for Lightning Fabric loops.
+
+Lightning Fabric's ``DeepSpeedStrategy`` with lightspeed's ZeRO core, the same the Trainer's
+:class:`~lightspeed.strategies.ZeroStrategy` calls (:mod:`lightspeed.core.zero`, :mod:`lightspeed.core.reliability`):
+
+* runs on ``accelerator="cpu"`` too (DeepSpeed's CPU accelerator over gloo);
+* the DeepSpeed config comes from a named preset plus ``config=``, checked for unknown keys, ``"auto"`` values
+  resolved from Fabric (world size, precision) and the model's hidden size at ``fabric.setup``;
+* ``torch.optim.Adam``/``AdamW``/``Adagrad`` become DeepSpeed's CPU versions under optimizer offload;
+* lightspeed's process group (per-restart store prefix under ``torchrun --max-restarts``, heartbeat, named hangs);
+* ``fabric.clip_gradients(max_norm=...)`` clips inside DeepSpeed's next step (where the partitioned gradients are)
+  and returns the total norm, filled in by that step;
+* ``fabric.save``/``fabric.load`` write and read the Trainer strategy's checkpoint layout through a staging directory
+  committed only when every rank finished, so ``lightspeed export`` reads it; loading checks the checkpoint first
+  (truncated shard, another model: one error on every rank) and reshards one written by another number of processes;
+  ``node_local_storage=True`` keeps each node's files on its own disk;
+* one optimizer, clipping by norm only, and unknown keywords are errors that say what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.fabric.strategies.deepspeed import _get_deepspeed_engines_from_state, _validate_state_keys
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightspeed.core.errors import DeepSpeedConfigError
+from lightspeed.core.reliability.node_local import describe_position, node_local_path
+from lightspeed.core.reliability.staging import StagedCheckpointSaver
+from lightspeed.core.zero import load_policy
+from lightspeed.core.zero import third_party_warnings as _third_party_warnings
+from lightspeed.core.zero.accumulation import clip_norm_at_step, scale_deepspeed_gradients_at_step
+from lightspeed.core.zero.config import (
+    AUTO,
+    TrainingFacts,
+    ZeroConfigProperties,
+    ZeroTuning,
+    build_zero_config,
+    describe_config,
+    find_hidden_size,
+    resolve_config_with_notes,
+)
+from lightspeed.core.zero.engine import (
+    initialize_engine,
+    one_optimizer_error,
+    prepare_deepspeed_process,
+    prepare_optimizer,
+    save_zero_checkpoint,
+)
+from lightspeed.core.zero.runtime import check_precision_supported, export_deepspeed_accelerator, zero_device_kind
+from lightspeed.fabric.process_group import ProcessGroupMixin
+from lightspeed.strategies.launchers import check_world_matches
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+__all__ = ["ZeroFabricStrategy", "unknown_keywords_error"]
+
+# Keywords of Lightning Fabric's own DeepSpeedStrategy (or of lightspeed's Trainer strategy) that this strategy does
+# not take, with what to do instead.
+_CONFIG_HINT = "write it into the DeepSpeed config instead: ZeroFabricStrategy(config={...})"
+_REFUSED_KEYWORDS: dict[str, str] = {
+    "sync_with_dataloader": "it is how the Trainer's loop ends an epoch; in a Fabric loop use "
+    "`lightspeed.fabric.accumulate(fabric, model, loader, steps=N)`, which steps the short last window of an epoch "
+    "with its gradient scaled to its real size",
+    "precision_plugin": "pass the precision to Fabric: Fabric(precision='bf16-mixed')",
+    "zero_optimization": "pick the stage with the strategy name (zero1 ... zero3) or `stage=`",
+    "remote_device": "offload parameters with `offload_parameters='cpu'` or `'nvme'`",
+    "offload_params_device": "use `offload_parameters='cpu'` or `offload_parameters='nvme'`",
+    "offload_optimizer_device": "use `offload_optimizer='cpu'` or `offload_optimizer='nvme'`",
+    "logging_batch_size_per_gpu": "set `train_micro_batch_size_per_gpu` in the DeepSpeed config",
+}
+_CONFIG_KEYWORDS = (
+    "params_buffer_count",
+    "params_buffer_size",
+    "max_in_cpu",
+    "optimizer_buffer_count",
+    "block_size",
+    "queue_depth",
+    "single_submit",
+    "overlap_events",
+    "thread_count",
+    "contiguous_gradients",
+    "overlap_comm",
+    "allgather_partitions",
+    "reduce_scatter",
+    "zero_allow_untested_optimizer",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "min_loss_scale",
+    "partition_activations",
+    "cpu_checkpointing",
+    "contiguous_memory_optimization",
+    "synchronize_checkpoint_boundary",
+)
+
+
+def unknown_keywords_error(cls_name: str, keywords: dict[str, Any]) -> TypeError:
+    """The error for keywords a Fabric ZeRO strategy does not take, each with what to do instead."""
+    lines = []
+    for name in sorted(keywords):
+        if name in _REFUSED_KEYWORDS:
+            lines.append(f"`{name}`: {_REFUSED_KEYWORDS[name]}")
+        elif name in _CONFIG_KEYWORDS:
+            lines.append(f"`{name}`: {_CONFIG_HINT}")
+        else:
+            lines.append(f"`{name}`: not a keyword of {cls_name}")
+    return TypeError(
+        f"{cls_name} does not take "
+        + ", ".join(f"`{name}`" for name in sorted(keywords))
+        + ".\n  - "
+        + "\n  - ".join(lines)
+        + f"\n{cls_name} takes: stage, offload_optimizer, offload_parameters, nvme_path, pin_memory, "
+        "reduce_bucket_size, allgather_bucket_size, prefetch_bucket_size, param_persistence_threshold, "
+        "sub_group_size, config, accelerator, parallel_devices, cluster_environment, precision, "
+        "process_group_backend, timeout, logging_level, exclude_frozen_parameters, load_full_weights, "
+        "node_local_storage."
+    )
+
+
+class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, DeepSpeedStrategy):
+    """DeepSpeed ZeRO for Lightning Fabric, on ``accelerator="cuda"`` (nccl) and ``accelerator="cpu"`` (gloo).
+
+    ``import lightspeed`` registers it for Fabric under the Trainer strategies' names (``zero1`` ... ``zero3_nvme``):
+    ``Fabric(strategy="zero3_offload", accelerator="cpu", devices=2)``.
+
+    Args:
+        stage: ZeRO stage 0-3.
+        offload_optimizer: ``"none"``, ``"cpu"`` or ``"nvme"`` (``True`` means ``"cpu"``).
+        offload_parameters: ``"none"``, ``"cpu"`` or ``"nvme"``; stage 3 only.
+        nvme_path: directory for NVMe offload; defaults to ``$LIGHTSPEED_NVME_PATH``.
+        pin_memory, reduce_bucket_size, allgather_bucket_size, prefetch_bucket_size, param_persistence_threshold,
+            sub_group_size: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
+        config: DeepSpeed config dict or JSON path merged over the preset (its values win); unknown keys and values
+            that contradict Fabric's settings are errors.
+        exclude_frozen_parameters: leave frozen parameters out of checkpoints.
+        load_full_weights: ``fabric.load`` reads a single consolidated weights file under ZeRO-3.
+        node_local_storage: for clusters whose nodes share no filesystem: each node writes its own ranks' shards (and
+            the files every node needs) into its own local checkpoint directory (as the Trainer's).
+        Other arguments: Fabric's (set by Fabric itself when the strategy is chosen by name).
+    """
+
+    config: dict[str, Any]  # always built (Lightning's attribute may be None; ours never is)
+
+    def __init__(
+        self,
+        stage: int = 2,
+        offload_optimizer: str | bool | None = "none",
+        offload_parameters: str | bool | None = "none",
+        nvme_path: _PATH | None = None,
+        pin_memory: bool = True,
+        reduce_bucket_size: int | str = "auto",
+        allgather_bucket_size: int | str = "auto",
+        prefetch_bucket_size: int | str = "auto",
+        param_persistence_threshold: int | str = "auto",
+        sub_group_size: int | None = None,
+        config: _PATH | dict[str, Any] | None = None,
+        accelerator: Any | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any | None = None,
+        precision: Any | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        logging_level: int = logging.WARN,
+        exclude_frozen_parameters: bool = False,
+        load_full_weights: bool = False,
+        node_local_storage: bool = False,
+        **unsupported: Any,
+    ) -> None:
+        if unsupported:
+            raise unknown_keywords_error(type(self).__name__, unsupported)
+        recipe = build_zero_config(
+            stage,
+            offload_optimizer,
+            offload_parameters,
+            nvme_path=nvme_path,
+            user_config=config,
+            tuning=ZeroTuning(
+                pin_memory=pin_memory,
+                reduce_bucket_size=reduce_bucket_size,
+                allgather_bucket_size=allgather_bucket_size,
+                prefetch_bucket_size=prefetch_bucket_size,
+                param_persistence_threshold=param_persistence_threshold,
+                sub_group_size=sub_group_size,
+            ),
+            front_end="Fabric",
+        )
+        self._init_lightning(
+            recipe,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            logging_level=logging_level,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+            load_full_weights=load_full_weights,
+            node_local_storage=node_local_storage,
+        )
+
+    def _init_lightning(
+        self, recipe: dict[str, Any], *, node_local_storage: bool = False, **strategy_kwargs: Any
+    ) -> None:
+        """Lightning Fabric's ``DeepSpeedStrategy`` set-up around an already built config (``"auto"`` values kept
+        until the process group exists)."""
+        if node_local_storage:
+            recipe.setdefault("checkpoint", {})["use_node_local_storage"] = True
+        super().__init__(config=recipe, **strategy_kwargs)
+        self._recipe = recipe  # unresolved: resolved again at setup once the model is known
+        self.config = recipe
+        self._saver = StagedCheckpointSaver()
+        self._sharded_init = False  # init_module() built the model under this config (ZeRO-3 partitioned)
+        self._config_logged = False
+        self._step_restores: list[Callable[[], None]] = []  # undo per-step overrides after the next step
+        self._pending_norm: torch.Tensor | None = None  # returned by clip_gradients, filled by the next step
+
+    @property
+    def accumulation_steps_in_config(self) -> int | None:
+        """``gradient_accumulation_steps`` as written in the user's config (None: ``"auto"`` or absent)."""
+        value = self._recipe.get("gradient_accumulation_steps", AUTO)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def _device_kind(self) -> str:
+        return zero_device_kind(self.accelerator)
+
+    # ------------------------------------------------------------------ before any process starts
+    @override
+    def _configure_launcher(self) -> None:
+        # Runs in Fabric.__init__, before launching: checks that must fail early, environment the ranks inherit.
+        kind = self._device_kind()
+        check_precision_supported(kind, self.precision.precision)
+        export_deepspeed_accelerator(kind)
+        check_world_matches(self.cluster_environment, self.num_nodes, self.num_processes, front_end="Fabric")
+        super()._configure_launcher()
+
+    # ------------------------------------------------------------------ process setup
+    @override
+    def setup_environment(self) -> None:
+        _third_party_warnings.install()
+        kind = self._device_kind()
+        prepare_deepspeed_process(kind, self.uses_nvme)
+        if kind == "cuda":
+            super().setup_environment()  # Lightning's CUDA check, device selection and process group
+            return
+        DDPStrategy.setup_environment(self)  # device set-up, then our _setup_distributed
+
+    @override
+    def _set_main_address(self) -> None:
+        self._set_node_environment_variables()  # DeepSpeed's rank variables too
+
+    @override
+    def _setup_distributed(self) -> None:
+        if self._device_kind() == "cuda":
+            super()._setup_distributed()  # lightspeed's group (ProcessGroupMixin), then Lightning's CUDA set-up
+            return
+        # CPU devices carry no index, so Lightning's CUDA index check does not apply; DeepSpeed adopts the group.
+        with self._lightspeed_process_group():
+            reset_seed()
+            self._set_world_ranks()
+            self._init_deepspeed_distributed()
+        if not self._config_initialized:
+            self._format_config()
+            self._config_initialized = True
+
+    @override
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            _third_party_warnings.uninstall()
+
+    # ------------------------------------------------------------------ config resolution
+    def _resolve(self, module: Module | None) -> list[str]:
+        """Resolve the recipe's ``"auto"`` values from Fabric's settings (and the model's hidden size when
+        ``module`` is given) into ``self.config``; returns the notes to log."""
+        accumulation = self.accumulation_steps_in_config or 1
+        facts = TrainingFacts(
+            world_size=self.world_size,
+            micro_batch_size=None,  # Fabric does not tell the strategy its loaders; DeepSpeed uses it for logs only
+            accumulate_grad_batches=accumulation,
+            gradient_clip_val=None,  # fabric.clip_gradients clips per step
+            precision=self.precision.precision,
+            hidden_size=find_hidden_size(module) if module is not None else None,
+            front_end="Fabric",
+        )
+        resolved, notes = resolve_config_with_notes(self._recipe, facts)
+        self.config = resolved
+        return notes
+
+    @override
+    def _format_config(self) -> None:
+        # At launch: the config ``fabric.init_module()`` (``deepspeed.zero.Init``) builds the model with. The model's
+        # hidden size is not known yet; ``fabric.setup`` resolves again with it unless init_module already used it.
+        self._resolve(None)
+
+    def _check_sharded_init(self, module: Module) -> None:
+        """Refuse parameters that ``fabric.init_module()`` under ZeRO-3 left unpartitioned and empty: a module
+        deep-copied inside the context (``nn.TransformerEncoder`` copies its layer) loses DeepSpeed's partition."""
+        if not (self._sharded_init and self.zero_stage_3):
+            return
+        lost = [name for name, p in module.named_parameters() if not hasattr(p, "ds_id") and p.numel() == 0]
+        if lost:
+            shown = ", ".join(lost[:3]) + (f" and {len(lost) - 3} more" if len(lost) > 3 else "")
+            raise DeepSpeedConfigError(
+                f"Parameters {shown} were built under `fabric.init_module()` with ZeRO-3 but lost their partition: "
+                "a module deep-copied inside the context (e.g. the layers `nn.TransformerEncoder` clones) keeps "
+                "empty tensors. Build the model outside `fabric.init_module()` (ZeRO-3 then partitions it in "
+                "`fabric.setup`), or create each layer instead of copying one."
+            )
+
+    def _final_config(self, module: Module) -> None:
+        self._check_sharded_init(module)
+        if not self._sharded_init:
+            notes = self._resolve(module)
+        else:
+            notes = []
+        if not self._config_logged:
+            for note in notes:
+                if "train_micro_batch_size_per_gpu" not in note:  # DeepSpeed only logs throughput with it
+                    rank_zero_info(f"lightspeed: {note}")
+            rank_zero_info(f"lightspeed: resolved DeepSpeed config\n{describe_config(self.config)}")
+            self._config_logged = True
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        if self.zero_stage_3:
+            self._sharded_init = True
+        return super().module_sharded_context()
+
+    # ------------------------------------------------------------------ engine construction
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[DeepSpeedEngine, list[Optimizer], Any]:
+        if len(optimizers) != 1:
+            raise one_optimizer_error(f"{len(optimizers)} optimizers", "`fabric.setup` got")
+        self._final_config(module)
+        optimizer, message = prepare_optimizer(optimizers[0], scheduler, self.config)
+        if message is not None:
+            rank_zero_info(message)
+        engine, deepspeed_optimizer, deepspeed_scheduler = self._initialize_engine(module, optimizer, scheduler)
+        self._deepspeed_engine = self._with_named_hangs(engine)
+        self._set_deepspeed_activation_checkpointing()
+        return engine, [deepspeed_optimizer], deepspeed_scheduler
+
+    @override
+    def setup_module(self, module: Module) -> DeepSpeedEngine:
+        self._final_config(module)
+        engine, _, _ = self._initialize_engine(module)
+        self._deepspeed_engine = self._with_named_hangs(engine)
+        return self._deepspeed_engine
+
+    @override
+    def _initialize_engine(
+        self, model: Module, optimizer: Optimizer | None = None, scheduler: Any | None = None
+    ) -> tuple[DeepSpeedEngine, Optimizer, Any]:
+        return initialize_engine(self.config, model, optimizer, scheduler, self.root_device.index, self.local_rank)
+
+    # ------------------------------------------------------------------ clipping and the step
+    @override
+    def clip_gradients_norm(
+        self,
+        module: DeepSpeedEngine,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clip the gradient norm to ``max_norm`` in DeepSpeed's next ``optimizer.step()`` (ZeRO clips there, on the
+        partitioned gradients). Returns the total norm of the gradients before clipping, as Lightning's strategies
+        do: a scalar tensor that the next ``optimizer.step()`` fills in (ZeRO measures the norm of the partitioned
+        gradients during the step; NaN until then)."""
+        if float(norm_type) != 2.0:
+            raise DeepSpeedConfigError(
+                f"DeepSpeed clips by the 2-norm only, but `fabric.clip_gradients(norm_type={norm_type})` was called. "
+                "Drop norm_type."
+            )
+        configured = self.config.get("gradient_clipping", 0.0) or 0.0
+        if configured and float(configured) != float(max_norm):
+            raise DeepSpeedConfigError(
+                f"gradient_clipping={configured} in the DeepSpeed config, but "
+                f'`fabric.clip_gradients(max_norm={max_norm})`. Make them agree: set gradient_clipping to "auto" '
+                "(or remove it) to clip per call, or call clip_gradients with the configured value."
+            )
+        self._step_restores.append(clip_norm_at_step(self._engine_for(module), float(max_norm)))
+        if self._pending_norm is None:
+            self._pending_norm = torch.full((), float("nan"))
+        return self._pending_norm
+
+    @override
+    def clip_gradients_value(self, module: DeepSpeedEngine, optimizer: Optimizer, clip_val: float | int) -> None:
+        raise DeepSpeedConfigError(
+            f"`fabric.clip_gradients(clip_val={clip_val})` clips each gradient element by value, which DeepSpeed's "
+            "ZeRO optimizers cannot do (they only clip the norm of the partitioned gradients). Use "
+            f"`fabric.clip_gradients(model, optimizer, max_norm={clip_val})`."
+        )
+
+    def scale_next_step(self, factor: float) -> None:
+        """Multiply the gradients the next ``optimizer.step()`` uses by ``factor`` (inside the ZeRO optimizer, before
+        clipping); used by :func:`lightspeed.fabric.accumulate` to close an exact accumulation window."""
+        self._step_restores.append(scale_deepspeed_gradients_at_step(self.model, factor))
+
+    @property
+    def step_pending(self) -> bool:
+        """True while a per-step override (window factor, clipping) waits for ``optimizer.step()``."""
+        return bool(self._step_restores)
+
+    def _engine_for(self, module: Any) -> Any:
+        return module if hasattr(module, "set_gradient_accumulation_boundary") else self.model
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        try:
+            result = super().optimizer_step(optimizer, **kwargs)
+        finally:
+            restores, self._step_restores = self._step_restores, []
+            for restore in reversed(restores):
+                restore()
+        self._record_norm(optimizer)
+        return result
+
+    def _record_norm(self, optimizer: Any) -> None:
+        """The total gradient norm the ZeRO optimizer measured in this step, into the engine (so
+        ``engine.get_global_grad_norm()`` answers as after ``engine.step()``) and into the tensor ``clip_gradients``
+        returned."""
+        measured = getattr(optimizer, "_global_grad_norm", None)  # DeepSpeed's ZeRO optimizer, as Fabric passes it
+        pending, self._pending_norm = self._pending_norm, None
+        if measured is None:
+            return
+        value = float(measured)
+        if self._deepspeed_engine is not None:
+            self._deepspeed_engine._global_grad_norm = value
+        if pending is not None:
+            pending.fill_(value)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save through DeepSpeed into a staging directory; commit it only when every rank has finished."""
+        if storage_options is not None:
+            raise TypeError(
+                "`fabric.save(..., storage_options=...)` is not supported by ZeRO strategies: DeepSpeed writes the "
+                "checkpoint files itself."
+            )
+        if filter is not None:
+            raise TypeError(
+                "`fabric.save(..., filter=...)` is not supported by ZeRO strategies: DeepSpeed saves the whole "
+                "(sharded) model and optimizer. Export the weights you need with `lightspeed export` afterwards."
+            )
+        engines = _get_deepspeed_engines_from_state(state)
+        if len(engines) != 1:
+            raise ValueError(
+                f"`fabric.save` under ZeRO needs exactly one model set up by `fabric.setup` in the state, found "
+                f"{len(engines)}: pass it as e.g. `fabric.save(path, {{'model': model, 'optimizer': optimizer}})`; "
+                "save several models to separate paths."
+            )
+        engine = engines[0]
+        target = self.broadcast(str(path))
+        node = None
+        if self.node_local_storage:
+            target = node_local_path(target, self.broadcast(os.getcwd()))
+            node = describe_position(self.node_rank, self.local_rank)
+        excluded = (engine, engine.optimizer) if engine.optimizer is not None else (engine,)
+        client_state = {k: v for k, v in state.items() if not any(v is obj for obj in excluded)}
+        _validate_state_keys(client_state)
+        client_state = self._convert_stateful_objects_in_state(client_state, filter={})
+        save_zero_checkpoint(
+            self._saver,
+            engine,
+            target,
+            client_state,
+            world_size=self.world_size,
+            config=self.config,
+            exclude_frozen_parameters=self.exclude_frozen_parameters,
+            manifest_extra={"global_step": int(engine.global_steps)},
+            node=node,
+        )
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Check the checkpoint first (one error on every rank before anything is loaded), then load it through
+        DeepSpeed; one written by another number of processes is resharded on the way."""
+        if isinstance(state, (Module, Optimizer)) or (self.load_full_weights and self.zero_stage_3):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        target = self.broadcast(str(path))
+        if self.node_local_storage:
+            target = node_local_path(target, self.broadcast(os.getcwd()))
+        engines = _get_deepspeed_engines_from_state(state) if state else []
+        engine = engines[0] if len(engines) == 1 else None
+        load_policy.check_before_loading(
+            target,
+            module=engine.module if engine is not None and not self.node_local_storage else None,
+            strict=strict,
+            node_rank=self.node_rank if self.node_local_storage else None,
+            warn=rank_zero_warn,
+        )
+        if engine is None or self.node_local_storage:
+            return super().load_checkpoint(target, state, strict=strict, weights_only=weights_only)
+        with load_policy.checkpoint_to_load(engine, target, self.world_size, info=rank_zero_info) as load_path:
+            return super().load_checkpoint(load_path, state, strict=strict, weights_only=weights_only)

@@ -1,0 +1,79 @@
+"""``lightspeed.errors``: every exception lightspeed raises on purpose, under one base class, each still the built-in
+exception it was; the CLI reports any of them as a user error (exit 2, one line, no traceback)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import lightspeed
+from lightspeed import errors
+from lightspeed.cli import main as cli_main
+from lightspeed.core import errors as core_errors
+
+BUILT_IN = {
+    "CheckpointError": ValueError,
+    "ExportError": ValueError,
+    "DeepSpeedConfigError": ValueError,
+    "MemoryPlanError": ValueError,
+    "WorldSizeMismatchError": ValueError,
+    "UnsupportedOffloadOptimizerError": TypeError,
+    "IncompleteCheckpointError": RuntimeError,
+    "CollectiveTimeoutError": RuntimeError,
+    "CudaInitializedError": RuntimeError,
+    "GatherError": RuntimeError,
+    "CallSiteMismatch": RuntimeError,
+    "StepOutputError": RuntimeError,
+}
+
+
+def test_every_exception_class_of_the_package_is_public_under_one_base() -> None:
+    defined = {
+        name
+        for name, value in vars(core_errors).items()
+        if inspect.isclass(value) and issubclass(value, BaseException) and value.__module__ == core_errors.__name__
+    }
+    assert defined == set(errors.__all__) == set(BUILT_IN) | {"LightspeedError"}
+    for name, built_in in BUILT_IN.items():
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.LightspeedError) and issubclass(cls, built_in), name
+    assert lightspeed.errors is errors
+
+
+def test_the_classes_users_meet_are_the_public_ones() -> None:
+    from lightspeed.core.gather import GatherError
+    from lightspeed.core.reliability.staging import IncompleteCheckpointError
+    from lightspeed.strategies.launchers import WorldSizeMismatchError
+
+    assert (GatherError, IncompleteCheckpointError, WorldSizeMismatchError) == (
+        errors.GatherError,
+        errors.IncompleteCheckpointError,
+        errors.WorldSizeMismatchError,
+    )
+    with pytest.raises(errors.LightspeedError, match="has no unit"):
+        from lightspeed.core.zero.auto_choice import ZeroAutoRequest
+
+        ZeroAutoRequest.from_arguments(
+            safety_margin=0.1,
+            device_memory="16",
+            host_memory=None,
+            nvme_path=None,
+            optimizer_state_bytes=8,
+            config=None,
+            kwargs={},
+        )
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_IN))
+def test_the_cli_reports_every_lightspeed_error_as_a_user_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    def failing_run(args: object) -> int:
+        raise getattr(errors, name)("what to change")
+
+    parser = cli_main.build_parser()
+    monkeypatch.setattr(cli_main, "build_parser", lambda: parser)
+    parser._subparsers._group_actions[0].choices["env"].set_defaults(_run=failing_run)  # type: ignore[union-attr]
+    assert cli_main.main(["env"]) == 2
+    assert capsys.readouterr().err == "lightspeed env: error: what to change\n"
