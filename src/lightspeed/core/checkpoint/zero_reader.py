@@ -375,6 +375,21 @@ def _split_pieces(parts: list[FileRegion], offset: int, size: int, numel: int) -
     return pieces
 
 
+def _identity(region: FileRegion) -> tuple:
+    """Where a tensor's data lies in its file: equal for the names of one tensor that torch.save stored once (every
+    storage, even an empty ZeRO-3 placeholder, is a zip entry of its own at its own offset)."""
+    return (region.path, region.offset, region.numel, region.dtype, region.shape)
+
+
+def _first_name_per_storage(module: dict[str, Any]) -> dict[tuple, str]:
+    """For each stored tensor of the module's state dict, the first key (in state_dict order) that names it."""
+    first: dict[tuple, str] = {}
+    for name, value in module.items():
+        if isinstance(value, FileRegion):
+            first.setdefault(_identity(value), name)
+    return first
+
+
 def read_zero_checkpoint(
     checkpoint: str | os.PathLike | Sequence[str | os.PathLike], tag: str | None = None
 ) -> ZeroCheckpoint:
@@ -407,11 +422,19 @@ def read_zero_checkpoint(
         skipped: list[str] = []
         seen: set[str] = set()
         stored_at: dict[tuple, str] = {}
+        first_with_storage = _first_name_per_storage(module)
         for name, value in module.items():
             if name in shared and shared[name] != name:
                 aliases[name] = shared[name]
                 continue
             source = trainable.get(name) or frozen.get(name)
+            owner = first_with_storage.get(_identity(value)) if isinstance(value, FileRegion) else None
+            if source is None and owner is not None and owner != name:
+                # The same tensor under another name that DeepSpeed did not record: a module registered twice in
+                # one parent (``nn.Sequential(block, act, block)``), which DeepSpeed's walk over
+                # ``named_children()`` visits once. torch.save kept one storage for it: an alias of the owner.
+                aliases[name] = aliases.get(owner, owner)
+                continue
             if source is None and isinstance(value, FileRegion):
                 if name in buffer_names or stage < 3 and value.numel == math.prod(value.shape):
                     # stage >= 1: a parameter the optimizer does not own was frozen (stage 1 files list no
@@ -427,9 +450,8 @@ def read_zero_checkpoint(
                 skipped.append(name)
                 continue
             if source.kind in ("module", "buffer"):  # torch.save keeps tied tensors as one storage region
-                region = source.pieces[0]
-                identity = (region.path, region.offset, region.numel, region.dtype, region.shape)
-                if identity in stored_at and region.numel > 0:
+                identity = _identity(source.pieces[0])
+                if identity in stored_at and source.pieces[0].numel > 0:
                     aliases[name] = stored_at[identity]
                     continue
                 stored_at[identity] = name

@@ -5,10 +5,11 @@ Usage: torchrun --nproc_per_node=N checkpoint_make_zero.py OUT_DIR CONFIG [CONFI
 
 A CONFIG is ``s<stage>_<offload>_<dtype>`` (offload: none, cpu, nvme; dtype: fp32, bf16), optionally with a model
 prefix: ``lit_`` (a LightningModule as the engine's module, saved like Lightning's DeepSpeedStrategy into
-``<name>.ckpt/checkpoint``), ``litwrap_`` (the same wrapped under ``_forward_module`` as Lightning < 2.1 did), or
-``hf_`` (a module holding a tiny GPT-2 under ``self.model``). ``big`` in the name adds a layer large enough to be
-swapped to NVMe. Rank 0 writes OUT_DIR/<config>/reference.pt with the gathered fp32 master weights, the gathered
-module weights, the buffers and the module's state_dict keys.
+``<name>.ckpt/checkpoint``), ``litwrap_`` (the same wrapped under ``_forward_module`` as Lightning < 2.1 did),
+``hf_`` (a module holding a tiny GPT-2 under ``self.model``) or ``shared_`` (one block registered twice in one parent;
+the live engine is also exported to ``<config>/live_export``, as ZeroExport does). ``big`` in the name adds a layer
+large enough to be swapped to NVMe. Rank 0 writes OUT_DIR/<config>/reference.pt with the gathered fp32 master
+weights, the gathered module weights, the buffers and the module's state_dict keys.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoint_models import HFWrapper, TinyLM, batch  # noqa: E402
+from checkpoint_models import HFWrapper, SharedBlocks, TinyLM, batch  # noqa: E402
 
 
 class UserHyperparameter:
@@ -37,6 +38,8 @@ def build_model(config: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if config.startswith("hf_"):
         return HFWrapper()
+    if config.startswith("shared_"):
+        return SharedBlocks()
     model = TinyLM(big="big" in config)
     if config.startswith(("lit_", "litwrap_")):
         import lightning.pytorch as pl
@@ -154,6 +157,10 @@ def run(config: str, out: Path, rank: int) -> None:
         }
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
     fp32, module_weights = gathered(engine, stage)
+    if config.startswith("shared_"):  # what ZeroExport writes from the live engine, for comparison
+        from lightspeed.core.checkpoint.live import export_engine
+
+        export_engine(engine, target / "live_export")
     if rank == 0:
         state_dict = engine.module.state_dict()
         buffers = {name: buf.detach().clone() for name, buf in engine.module.named_buffers() if name in state_dict}

@@ -46,6 +46,25 @@ class TinyLM(nn.Module):
         return [{"params": first, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
 
 
+class SharedBlocks(nn.Module):
+    """One block registered twice in one parent (``nn.Sequential(block, act, block)``) and once more at the top: the
+    state dict names the same weights ``block.*``, ``body.0.*`` and ``body.2.*``; DeepSpeed records only ``body.0``
+    as shared (its walk over ``named_children()`` skips the repeat)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.block = nn.Linear(WIDTH, WIDTH)
+        self.body = nn.Sequential(self.block, nn.Tanh(), self.block)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(tokens)))
+
+    def param_groups(self) -> list[dict]:
+        return [{"params": list(self.parameters()), "weight_decay": 0.01}]
+
+
 def tiny_gpt2_config():
     """A two-layer GPT-2 config with odd sizes, built locally (no download)."""
     from transformers import GPT2Config
