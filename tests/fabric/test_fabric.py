@@ -209,6 +209,10 @@ def test_save_load_resumes_exactly_and_exports(cases: Path, tmp_path: Path, name
 
     ckpt = Path(meta["ckpt"])
     assert atomic_dir.is_complete(ckpt)  # committed through staging, with lightspeed's marker
+    # Fabric's optimizer.step() bypasses engine.step(); the engine's step counter still counts every step, is saved
+    # and restored: 2 steps before the save (the marker says so), 4 at the end of both runs
+    assert json.loads((ckpt / atomic_dir.COMPLETE_MARKER).read_text())["global_step"] == 2
+    assert meta["first"]["engine_steps"] == meta["second"]["engine_steps"] == 4
     assert json.loads((ckpt / "ds_config.json").read_text())["zero_optimization"]["stage"] == ZERO_PRESETS[name].stage
     assert not atomic_dir.staging_path(ckpt).exists()
 

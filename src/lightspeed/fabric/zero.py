@@ -433,7 +433,19 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, DeepSpeedStrat
             for restore in reversed(restores):
                 restore()
         self._record_norm(optimizer)
+        self._count_step(optimizer)
         return result
+
+    def _count_step(self, optimizer: Any) -> None:
+        """What ``engine.step()`` counts and Fabric's ``optimizer.step()`` bypasses: the step (a skipped one too, on
+        fp16 overflow) and the samples, so checkpoints, their markers and a resumed engine know the step."""
+        engine = self._deepspeed_engine
+        if engine is None:
+            return
+        if getattr(optimizer, "overflow", False):
+            engine.skipped_steps += 1
+        engine.global_steps += 1
+        engine.global_samples += engine.train_batch_size()
 
     def _record_norm(self, optimizer: Any) -> None:
         """The total gradient norm the ZeRO optimizer measured in this step, into the engine (so

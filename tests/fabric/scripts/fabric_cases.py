@@ -183,6 +183,7 @@ def resume_part(name: str, ckpt: Path, load: bool) -> tuple[dict, dict[str, torc
         optimizer.step()
         optimizer.zero_grad()
     info["optimizer"] = inner_optimizer_name(optimizer)
+    info["engine_steps"] = int(model._forward_module.global_steps)  # DeepSpeed's own step counter
     return info, weights_of(model), saved or {}
 
 
