@@ -99,3 +99,12 @@ def test_fabric_num_nodes_that_disagrees_with_torchrun_is_one_clear_error(fabric
         "(1 node(s) x 2 per node: WORLD_SIZE=2, LOCAL_WORLD_SIZE=2). Set `Fabric(num_nodes=1, devices=2)`, or start "
         "torchrun with `--nnodes 2 --nproc-per-node 2`."
     )
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fabric_load_of_the_tag_folder_names_the_checkpoint_to_load(fabric_facts: dict, rank: int) -> None:
+    good = fabric_facts["out"] / "good.ckpt"
+    assert fabric_facts[rank]["tag_folder"] == (
+        f"CheckpointError: {str(good / 'checkpoint')!r} is a folder inside the checkpoint {str(good)!r}, not a "
+        f"checkpoint of its own: load the checkpoint directory itself, {str(good)!r}."
+    )

@@ -158,3 +158,20 @@ def test_a_rank_that_does_not_write_leaves_the_file_alone(tmp_path: Path) -> Non
     target = tmp_path / "step=3.ckpt"
     atomic_dir.save_file_atomically(target, lambda staging: staging.write_text("x"), writer=False)
     assert not target.exists()
+
+
+def test_a_folder_inside_a_checkpoint_names_the_checkpoint_to_load(tmp_path: Path) -> None:
+    from lightspeed.errors import CheckpointError
+
+    target = tmp_path / "last.ckpt"
+    staging = atomic_dir.prepare_staging(target)
+    (staging / "checkpoint").mkdir()
+    _write(staging / "checkpoint", "weights")
+    atomic_dir.commit(target)
+    with pytest.raises(CheckpointError) as info:
+        atomic_dir.require_complete(target / "checkpoint")
+    assert str(info.value) == (
+        f"{str(target / 'checkpoint')!r} is a folder inside the checkpoint {str(target)!r}, not a checkpoint of its "
+        f"own: load the checkpoint directory itself, {str(target)!r}."
+    )
+    atomic_dir.require_complete(target)  # the checkpoint itself is fine

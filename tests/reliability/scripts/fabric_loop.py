@@ -14,8 +14,8 @@ usage: fabric_loop.py MODE OUT ARGS...
   ``fabric.save``, continued to step 7 (OUT/NAME/CONFIG/reference.pt), or a checkpoint written by another number of
   processes continued to step 7 (OUT/NAME/CONFIG/resumed_<WORLD_SIZE>.pt).
 * ``bad_input OUT``: ZeRO-2; a checkpoint whose shard was truncated, and the checkpoint of another model, each loaded
-  before any step, and ``Fabric(num_nodes=2)`` under a one-node torchrun; every rank writes the errors and the steps
-  taken to OUT/facts_rank<R>.json.
+  before any step, the checkpoint's tag folder given instead of the checkpoint, and ``Fabric(num_nodes=2)`` under a
+  one-node torchrun; every rank writes the errors and the steps taken to OUT/facts_rank<R>.json.
 """
 
 from __future__ import annotations
@@ -202,6 +202,7 @@ def bad_input(out: Path) -> None:
     fresh = Loop(fabric)
     facts["truncated"] = error_text(lambda: fabric.load(truncated, fresh.state))
     facts["truncated_step"] = fresh.state["step"]
+    facts["tag_folder"] = error_text(lambda: fabric.load(good / "checkpoint", fresh.state))
 
     wider = nn.Sequential(nn.Linear(IN_FEATURES, 41), nn.Tanh(), nn.Linear(41, OUT_FEATURES))
     other = Loop(fabric, net=wider)

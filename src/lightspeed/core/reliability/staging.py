@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightspeed.core.common.distributed import global_rank, is_distributed, raise_on_every_rank
-from lightspeed.core.errors import ExportError, IncompleteCheckpointError
+from lightspeed.core.errors import CheckpointError, ExportError, IncompleteCheckpointError
 
 if TYPE_CHECKING:
     from lightspeed.core.reliability.node_local import NodePosition
@@ -130,7 +130,9 @@ def is_complete(directory: str | os.PathLike) -> bool:
 
 
 def require_complete(directory: str | os.PathLike) -> None:
-    """Raise :class:`IncompleteCheckpointError` unless ``directory`` was committed by :func:`commit`."""
+    """Raise :class:`IncompleteCheckpointError` unless ``directory`` was committed by :func:`commit` (a folder inside
+    a committed checkpoint, such as its ``checkpoint`` tag folder, is a :class:`CheckpointError` naming the
+    checkpoint)."""
     directory = Path(directory)
     if not directory.exists() and replaced_path(directory).is_dir():
         raise IncompleteCheckpointError(
@@ -139,6 +141,12 @@ def require_complete(directory: str | os.PathLike) -> None:
         )
     if not directory.is_dir():
         raise IncompleteCheckpointError(f"Checkpoint {str(directory)!r} is not a directory.")
+    enclosing = next((parent for parent in directory.parents[:2] if is_complete(parent)), None)
+    if not is_complete(directory) and enclosing is not None:
+        raise CheckpointError(
+            f"{str(directory)!r} is a folder inside the checkpoint {str(enclosing)!r}, not a checkpoint of its own: "
+            f"load the checkpoint directory itself, {str(enclosing)!r}."
+        )
     if not is_complete(directory):
         raise IncompleteCheckpointError(
             f"Checkpoint {str(directory)!r} has no {COMPLETE_MARKER!r}: it was not written completely (the save was "
