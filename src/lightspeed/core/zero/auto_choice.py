@@ -17,6 +17,7 @@ from lightspeed.core.zero.config import (
     ZeroTuning,
     build_zero_config,
     check_zero_section,
+    config_or_environment,
     load_user_config,
     validate_keys,
 )
@@ -62,7 +63,7 @@ def check_zero_auto_arguments(
                 f"zero_auto chooses `{forbidden}` itself. Remove it, or use a fixed strategy such as zero3 or "
                 "stage=3 with offload_optimizer='cpu'."
             )
-    user_config = load_user_config(config)
+    user_config = load_user_config(config_or_environment(config))
     check_zero_section(user_config)
     chosen_keys = [k for k in CHOSEN_BY_ZERO_AUTO if k in user_config.get("zero_optimization", {})]
     if chosen_keys:

@@ -5,7 +5,12 @@ Lightning. Internal: the strategies and the CLI are its users."""
 from lightspeed.core.zero.config.choices import AUTO, OFFLOAD_TARGETS, ZERO_STAGES
 from lightspeed.core.zero.config.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config.facts import OptimizerFacts, TrainingFacts
-from lightspeed.core.zero.config.loading import describe_config, load_user_config
+from lightspeed.core.zero.config.loading import (
+    CONFIG_PATH_ENV,
+    config_or_environment,
+    describe_config,
+    load_user_config,
+)
 from lightspeed.core.zero.config.merging import merge_configs
 from lightspeed.core.zero.config.model_introspection import find_hidden_size
 from lightspeed.core.zero.config.nvme import NVME_PATH_ENV, resolve_nvme_path
@@ -25,6 +30,8 @@ from lightspeed.core.zero.config.zero_recipe import (
 )
 
 __all__ = [
+    "CONFIG_PATH_ENV",
+    "config_or_environment",
     "ZeroConfigProperties",
     "AUTO",
     "NVME_PATH_ENV",

@@ -26,6 +26,24 @@ class _DuplicateKey(Exception):
         self.key = key
 
 
+#: the variable Lightning's DeepSpeed strategies read a config path from when none is given
+CONFIG_PATH_ENV = "PL_DEEPSPEED_CONFIG_PATH"
+
+
+def config_or_environment(config: dict | str | os.PathLike | None) -> dict | str | os.PathLike | None:
+    """``config``, or when it is None the JSON file ``$PL_DEEPSPEED_CONFIG_PATH`` names (as Lightning's DeepSpeed
+    strategies read it); the file then goes through the same checks as ``config=``."""
+    if config is not None or not os.environ.get(CONFIG_PATH_ENV):
+        return config
+    path = os.environ[CONFIG_PATH_ENV]
+    if not os.path.isfile(path):
+        raise DeepSpeedConfigError(
+            f"{CONFIG_PATH_ENV}={path!r} names no file. Point it at the DeepSpeed config's JSON file, pass the config "
+            f"with `config=`, or unset {CONFIG_PATH_ENV}."
+        )
+    return path
+
+
 def load_user_config(config: dict | str | os.PathLike | None) -> dict:
     """Return the user's DeepSpeed config as a fresh dict that the caller may modify.
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from lightspeed.core.zero.config.choices import AUTO, check_zero_stage, offload_target
 from lightspeed.core.zero.config.errors import DeepSpeedConfigError
-from lightspeed.core.zero.config.loading import load_user_config
+from lightspeed.core.zero.config.loading import config_or_environment, load_user_config
 from lightspeed.core.zero.config.merging import merge_configs
 from lightspeed.core.zero.config.nvme import resolve_nvme_path
 from lightspeed.core.zero.config.presets import zero_preset
@@ -106,15 +106,15 @@ def build_zero_config(
 
     Checks the stage and the offload targets (``True`` means ``"cpu"``), resolves the NVMe directory from
     ``nvme_path`` or ``$LIGHTSPEED_NVME_PATH`` when something is offloaded to NVMe (ignored otherwise), builds the
-    preset, merges ``user_config`` (a dict or a JSON path; its values win) over it and rejects unknown keys and bad
-    values. Every problem raises :class:`DeepSpeedConfigError` saying what to change, naming ``front_end``'s
-    arguments (``"Trainer"`` or ``"Fabric"``).
+    preset, merges ``user_config`` (a dict or a JSON path, by default the file ``$PL_DEEPSPEED_CONFIG_PATH`` names; its
+    values win) over it and rejects unknown keys and bad values. Every problem raises :class:`DeepSpeedConfigError`
+    saying what to change, naming ``front_end``'s arguments (``"Trainer"`` or ``"Fabric"``).
     """
     check_zero_stage(stage)
     optimizer_target = offload_target(offload_optimizer, "offload_optimizer")
     parameter_target = offload_target(offload_parameters, "offload_parameters")
     uses_nvme = "nvme" in (optimizer_target, parameter_target)
-    user = load_user_config(user_config)
+    user = load_user_config(config_or_environment(user_config))
     preset = zero_preset(
         stage,
         offload_optimizer=optimizer_target,
