@@ -147,12 +147,30 @@ def run_accumulation(name: str, data: TensorDataset, model: nn.Module, lr: float
     }
 
 
+def run_no_backward_sync(name: str, data: TensorDataset, model: nn.Module, lr: float, steps: int = 4) -> dict:
+    """Fabric's own accumulation idiom: ``fabric.no_backward_sync`` around every micro-batch but each window's last,
+    the loss divided by ``steps``, one optimizer step per window (the short last window of the epoch included)."""
+    fabric = make_fabric(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=2, shuffle=False))
+    for index, (x, y, *_) in enumerate(loader):
+        boundary = (index + 1) % steps == 0 or index + 1 == len(loader)
+        with fabric.no_backward_sync(model, enabled=not boundary):
+            fabric.backward(nn.functional.mse_loss(model(x), y) / steps, model=model)
+        if boundary:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"weights": {k: v.flatten().tolist() for k, v in weights_of(model).items()}}
+
+
 def scenario_accum(name: str, out: Path) -> tuple[dict, None]:
     return {
         "toy": run_accumulation(name, toy_data(), linear(1, zero=True), TOY_LR, "mean"),
         "mean": run_accumulation(name, accum_data(), linear(3, zero=False), ACCUM_LR, "mean"),
         "items": run_accumulation(name, accum_data(), linear(3, zero=False), ACCUM_LR, "items"),
         "clip": run_accumulation(name, accum_data(), linear(3, zero=False), ACCUM_LR, "clip"),
+        "no_backward_sync": run_no_backward_sync(name, accum_data(), linear(3, zero=False), ACCUM_LR),
     }, None
 
 
