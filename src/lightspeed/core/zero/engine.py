@@ -31,7 +31,12 @@ from lightspeed.core.zero.config import (
     describe_config,
 )
 from lightspeed.core.zero.cpu_optimizer import prepare_offloaded_optimizer, retarget_lr_scheduler
-from lightspeed.core.zero.runtime import async_io_problem, deepspeed_device_rank, use_deepspeed_accelerator
+from lightspeed.core.zero.runtime import (
+    async_io_problem,
+    clear_stale_build_locks,
+    deepspeed_device_rank,
+    use_deepspeed_accelerator,
+)
 
 __all__ = [
     "CHECKPOINT_TAG",
@@ -51,9 +56,11 @@ CHECKPOINT_TAG = "checkpoint"
 
 
 def prepare_deepspeed_process(kind: str, uses_nvme: bool) -> None:
-    """Make DeepSpeed use accelerator ``kind`` (``"cpu"``/``"cuda"``) in this rank and refuse NVMe offload where
-    DeepSpeed's async I/O op cannot run, before the process group or any engine exists."""
+    """Make DeepSpeed use accelerator ``kind`` (``"cpu"``/``"cuda"``) in this rank, clear build locks that a killed
+    op build left, and refuse NVMe offload where DeepSpeed's async I/O op cannot run, before the process group or any
+    engine exists."""
     use_deepspeed_accelerator(kind)
+    clear_stale_build_locks()  # a build killed half-way would make the op's next load wait forever
     if uses_nvme:
         problem = async_io_problem()
         if problem is not None:

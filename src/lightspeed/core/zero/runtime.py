@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,81 @@ def _put_first_on_path(bin_dir: Path, program: str) -> None:
         return
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = os.pathsep.join([str(bin_dir), path]) if path else str(bin_dir)
+
+
+#: a build lock this old with no process building beside it was left by a build killed half-way
+STALE_LOCK_AGE_S = 300.0
+
+
+def _processes_building_in(build_dir: Path) -> list[int]:
+    """Other processes whose working directory is ``build_dir`` (torch runs ninja and the compilers there)."""
+    target = os.path.realpath(build_dir)
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        if int(entry.name) == os.getpid():
+            continue
+        try:
+            cwd = os.path.realpath(os.readlink(entry / "cwd"))
+        except OSError:  # gone, or not ours to read
+            continue
+        if cwd == target or cwd.startswith(target + os.sep):
+            found.append(int(entry.name))
+    return found
+
+
+def clear_stale_build_locks(
+    root: Path | None = None,
+    *,
+    report: Callable[[str], None] | None = None,
+    stale_after_s: float = STALE_LOCK_AGE_S,
+    poll_s: float = 2.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[Path]:
+    """Clear the ``lock`` files of torch extension builds that no running build holds; returns the removed ones.
+
+    A DeepSpeed op build killed half-way (e.g. the first ``zero3_nvme`` run stopped while it compiles ``async_io``)
+    leaves torch's ``lock`` behind, and every later run would wait on it forever without a word. A lock with a
+    process building beside it belongs to a live build: torch waits for it, and ``report`` says so. A lock with no
+    builder is removed once it is ``stale_after_s`` old (younger ones are waited for, with one ``report`` line naming
+    the file, since a build may be between two steps). ``report`` defaults to a ``UserWarning``.
+    """
+    if report is None:
+
+        def report(message: str) -> None:
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    root = torch_extensions_root() if root is None else root
+    removed: list[Path] = []
+    for lock in sorted({*root.glob("*/lock"), *root.glob("*/*/lock")}):
+        announced = False
+        while lock.exists():
+            builders = _processes_building_in(lock.parent)
+            if builders:
+                report(
+                    f"lightspeed: waiting for the build of DeepSpeed op {lock.parent.name!r} by process "
+                    f"{builders[0]} (lock {str(lock)!r})."
+                )
+                break  # torch's own lock waits for it
+            try:
+                age = time.time() - lock.stat().st_mtime
+            except FileNotFoundError:
+                break
+            if age >= stale_after_s:
+                lock.unlink(missing_ok=True)
+                report(
+                    f"lightspeed: removed the stale build lock {str(lock)!r}: a build of DeepSpeed op "
+                    f"{lock.parent.name!r} was killed half-way and no process is building it; it is built again now."
+                )
+                removed.append(lock)
+                break
+            if not announced:
+                report(
+                    f"lightspeed: waiting for the build lock {str(lock)!r}: no process is building DeepSpeed op "
+                    f"{lock.parent.name!r}; the lock is removed once it is {stale_after_s:.0f} s old."
+                )
+                announced = True
+            sleep(poll_s)
+    return removed
 
 
 def torch_extensions_root() -> Path:
