@@ -40,6 +40,7 @@ TRAIN_NAMES = [
 ]
 ACCUM_NAMES = ["ddp_exact", "zero1", "zero2", "zero3"]
 RESUME_NAMES = ["zero2", "zero3_offload"]
+FULL_NAMES = ["zero1", "zero2", "zero3", "zero3_offload"]
 WORLD = 2
 
 
@@ -50,6 +51,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [f"train:{n}" for n in TRAIN_NAMES]
         + [f"accum:{n}" for n in ACCUM_NAMES]
         + [f"resume:{n}" for n in RESUME_NAMES]
+        + [f"full:{n}" for n in FULL_NAMES]
         + ["errors:zero2", "errors:zero3"]
     )
     run_torchrun(SCRIPTS / "fabric_cases.py", WORLD, [out, ",".join(specs)], timeout=600)
@@ -206,6 +208,35 @@ def test_fabrics_no_backward_sync_idiom_is_the_plain_accumulation_it_writes(case
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("name", FULL_NAMES)
+def test_load_full_weights_fills_the_sharded_model_and_its_master_copies(cases: Path, name: str) -> None:
+    meta, weights = _meta(cases, f"full_{name}"), torch.load(cases / f"full_{name}.pt")
+    source = make_net(seed=9)
+    reference = make_net(seed=9)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    x, y = make_regression_data(8).tensors
+    nn.functional.mse_loss(reference(x), y).backward()
+    optimizer.step()
+    for label in ("fabric", "plain", "export"):
+        for key, value in source.state_dict().items():
+            assert torch.equal(weights[f"{label}.loaded.{key}"], value), f"{name} {label}: {key} not loaded"
+        for key, value in reference.state_dict().items():
+            diff = (weights[f"{label}.stepped.{key}"] - value).abs().max().item()
+            assert diff <= 1e-6, f"{name} {label}: {key} after one step differs by {diff:.3e}"  # masters refreshed
+    assert meta["fabric"]["step"] == 5  # the rest of the state comes back too
+    partial = str(cases / f"full_{name}" / "partial.ckpt")
+    assert meta["partial_warnings"] == [
+        f"lightspeed: `fabric.load(..., strict=False)` loaded {partial!r} into the model without 1 tensor(s) the file "
+        "lacks (2.bias) and skipped 1 the model lacks (extra.weight)."
+    ]
+    assert meta["partial_strict"] == {
+        "type": "CheckpointError",
+        "message": f"Checkpoint {partial!r} does not fit the model; 2 tensor(s):\n  2.bias: missing from checkpoint "
+        f"{partial!r}\n  extra.weight: not in the model\nLoad the weights of this model, or pass strict=False to load "
+        "the matching tensors only.",
+    }
+
+
 @pytest.mark.parametrize("name", RESUME_NAMES)
 def test_save_load_resumes_exactly_and_exports(cases: Path, tmp_path: Path, name: str) -> None:
     meta = _meta(cases, f"resume_{name}")

@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +39,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightspeed.core.errors import DeepSpeedConfigError
+from lightspeed.core.checkpoint.loading import is_export, read_exported
+from lightspeed.core.errors import CheckpointError, DeepSpeedConfigError
 from lightspeed.core.reliability.node_local import describe_position, node_local_path
 from lightspeed.core.reliability.staging import StagedCheckpointSaver
 from lightspeed.core.zero import load_policy
@@ -66,6 +68,7 @@ from lightspeed.core.zero.engine import (
     save_zero_checkpoint,
 )
 from lightspeed.core.zero.runtime import check_precision_supported, export_deepspeed_accelerator, zero_device_kind
+from lightspeed.core.zero.weights import load_full_state_dict
 from lightspeed.fabric.process_group import ProcessGroupMixin
 from lightspeed.strategies.launchers import check_world_matches
 
@@ -536,6 +539,53 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, DeepSpeedStrat
             node=node,
         )
 
+    def _load_full_weights(
+        self, target: str, state: dict[str, Any] | None, strict: bool, weights_only: bool | None
+    ) -> dict[str, Any]:
+        """``load_full_weights=True``: a consolidated file (``fabric.save`` of a plain strategy, ``torch.save`` of a
+        state dict, a Lightning checkpoint, or lightspeed's safetensors export) into the (partitioned) model, tensor
+        by tensor, then into the optimizer's fp32 master copies; the rest of ``state`` as Lightning restores it."""
+        engines = _get_deepspeed_engines_from_state(state) if state else []
+        if state is None or len(engines) != 1:
+            raise ValueError(
+                "`fabric.load` with `load_full_weights=True` needs exactly one model set up by `fabric.setup` in the "
+                f"state, found {len(engines)}: pass it as e.g. `fabric.load(path, {{'model': model}})`."
+            )
+        engine = engines[0]
+        model_key = next(name for name, value in state.items() if value is engine)
+        checkpoint: dict[str, Any]
+        if is_export(target):
+            weights, checkpoint = read_exported(target), {}
+        else:
+            checkpoint = self.checkpoint_io.load_checkpoint(target, weights_only=weights_only)
+            if isinstance(checkpoint.get(model_key), dict):
+                weights = checkpoint.pop(model_key)
+            elif isinstance(checkpoint.get("state_dict"), dict):
+                weights = checkpoint.pop("state_dict")  # a Lightning checkpoint
+            elif checkpoint and all(isinstance(value, torch.Tensor) for value in checkpoint.values()):
+                weights, checkpoint = checkpoint, {}  # torch.save(model.state_dict())
+            else:
+                raise CheckpointError(
+                    f"{target!r} holds no model weights: expected them under {model_key!r} (as `fabric.save` writes "
+                    "them), under 'state_dict' (a Lightning checkpoint), or a plain state dict of tensors."
+                )
+        missing, unexpected = load_full_state_dict(
+            engine.module, weights, rank=self.global_rank, strict=strict, source=f"checkpoint {target!r}"
+        )
+        if engine.optimizer is not None and hasattr(engine.optimizer, "refresh_fp32_params"):
+            engine.optimizer.refresh_fp32_params()  # the next step starts from the loaded weights
+        if missing or unexpected:
+            rank_zero_warn(
+                f"lightspeed: `fabric.load(..., strict=False)` loaded {target!r} into the model without "
+                f"{len(missing)} tensor(s) the file lacks ({', '.join(missing) or 'none'}) and skipped "
+                f"{len(unexpected)} the model lacks ({', '.join(unexpected) or 'none'})."
+            )
+        for name, value in list(state.items()):
+            if value is engine or name not in checkpoint or isinstance(value, (Module, Optimizer)):
+                continue
+            state[name] = checkpoint.pop(name)
+        return checkpoint
+
     @override
     def load_checkpoint(
         self,
@@ -546,9 +596,11 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, DeepSpeedStrat
     ) -> dict[str, Any]:
         """Check the checkpoint first (one error on every rank before anything is loaded), then load it through
         DeepSpeed; one written by another number of processes is resharded on the way."""
-        if isinstance(state, (Module, Optimizer)) or (self.load_full_weights and self.zero_stage_3):
+        if isinstance(state, (Module, Optimizer)):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         target = self.broadcast(str(path))
+        if self.load_full_weights and (is_export(target) or Path(target).is_file()):
+            return self._load_full_weights(target, state, strict, weights_only)
         if self.node_local_storage:
             target = node_local_path(target, self.broadcast(os.getcwd()))
         engines = _get_deepspeed_engines_from_state(state) if state else []

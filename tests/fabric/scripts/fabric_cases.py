@@ -6,6 +6,8 @@ Scenarios (each writes OUT_DIR/<scenario>.json and, for weights, OUT_DIR/<scenar
   accum:NAME          lightspeed.fabric.accumulate: the toy (w=0, x=1..8, y=2x, batch 2, steps 4, SGD 0.02), a
                       10-batch epoch (steps 4) with mean losses and with num_items, a clipped window
   resume:NAME         2 steps, fabric.save, 2 more steps; then a fresh Fabric loads and does the same 2 steps
+  full:NAME           load_full_weights=True: a fabric.save-style file, a plain state dict and a safetensors export
+                      loaded into the model (and the optimizer's masters), one step after each; strict=False
   errors:NAME         two optimizers, clip_gradients(clip_val=...), a config contradicting Fabric's precision;
                       ZeRO-3: a module deep-copied under fabric.init_module()
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -252,7 +255,59 @@ def scenario_errors(name: str, out: Path) -> tuple[dict, None]:
     return result, None
 
 
-SCENARIOS = {"train": scenario_train, "accum": scenario_accum, "resume": scenario_resume, "errors": scenario_errors}
+# ----------------------------------------------------------------------------------------------------- full weights
+def scenario_full(name: str, out: Path) -> tuple[dict, dict]:
+    """``load_full_weights=True``: consolidated files written without DeepSpeed (Fabric's layout, a plain state dict,
+    a safetensors export) go into the (partitioned) model and the optimizer's master copies; then one step.
+    ``strict=False`` on a file with one key too many and one too few reports both."""
+    from safetensors.torch import save_file
+
+    from lightspeed.core.zero.config import ZERO_PRESETS
+
+    strategy = lightspeed.fabric.ZeroFabricStrategy(**ZERO_PRESETS[name].init_params(), load_full_weights=True)
+    fabric = make_fabric(name, strategy=strategy)
+    folder = out / f"full_{name}"
+    source = make_net(seed=9).state_dict()
+    if fabric.global_rank == 0:
+        (folder / "export").mkdir(parents=True, exist_ok=True)
+        torch.save({"model": source, "step": 5}, folder / "fabric.ckpt")
+        torch.save(source, folder / "plain.pt")
+        save_file({k: v.contiguous() for k, v in source.items()}, folder / "export" / "model.safetensors")
+        partial = {k: v for k, v in source.items() if k != "2.bias"}
+        torch.save({"model": {**partial, "extra.weight": torch.zeros(2)}}, folder / "partial.ckpt")
+    fabric.barrier()
+    x, y = make_regression_data(8).tensors
+    rows = slice(4 * fabric.global_rank, 4 * fabric.global_rank + 4)
+    meta: dict[str, Any] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for label, file in (("fabric", "fabric.ckpt"), ("plain", "plain.pt"), ("export", "export")):
+        net = make_net(seed=0)
+        model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01))
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(folder / file, state)
+        meta[label] = {"step": state["step"]}
+        weights.update({f"{label}.loaded.{k}": v for k, v in weights_of(model).items()})
+        fabric.backward(nn.functional.mse_loss(model(x[rows]), y[rows]), model=model)
+        optimizer.step()
+        optimizer.zero_grad()
+        weights.update({f"{label}.stepped.{k}": v for k, v in weights_of(model).items()})
+    net = make_net(seed=0)
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load(folder / "partial.ckpt", {"model": model}, strict=False)
+    meta["partial_warnings"] = [str(w.message) for w in caught if "lightspeed" in str(w.message)]
+    meta["partial_strict"] = error_of(lambda: fabric.load(folder / "partial.ckpt", {"model": model}))
+    return meta, weights
+
+
+SCENARIOS = {
+    "train": scenario_train,
+    "accum": scenario_accum,
+    "resume": scenario_resume,
+    "errors": scenario_errors,
+    "full": scenario_full,
+}
 
 
 def main() -> None:

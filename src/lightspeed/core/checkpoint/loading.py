@@ -18,7 +18,7 @@ from lightspeed.core.checkpoint.plan import TIED_METADATA_KEY
 from lightspeed.core.checkpoint.safetensors_writer import INDEX_FILE, SINGLE_FILE
 from lightspeed.core.errors import ExportError
 
-__all__ = ["LoadResult", "export_files", "load_exported"]
+__all__ = ["LoadResult", "export_files", "is_export", "load_exported", "read_exported"]
 
 
 class LoadResult(NamedTuple):
@@ -56,6 +56,30 @@ def export_files(path: str | os.PathLike) -> tuple[dict[str, Path], dict[str, st
     tied = metadata.get(TIED_METADATA_KEY)
     aliases = json.loads(tied) if isinstance(tied, str) else dict(tied or {})
     return weight_map, aliases
+
+
+def is_export(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a safetensors export: a ``.safetensors`` file, or a directory holding one or an index."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
+    return path.suffix == ".safetensors" or path.name == INDEX_FILE
+
+
+def read_exported(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every key of the export at ``path`` as a tensor, tied keys included (they name the same tensor)."""
+    from safetensors import safe_open
+
+    weight_map, aliases = export_files(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(set(weight_map.values())):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                tensors[key] = handle.get_tensor(key)
+    for alias, owner in aliases.items():
+        if owner in tensors:
+            tensors[alias] = tensors[owner]
+    return tensors
 
 
 def load_exported(module: nn.Module, path: str | os.PathLike, strict: bool = True) -> LoadResult:

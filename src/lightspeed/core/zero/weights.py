@@ -21,7 +21,14 @@ from lightspeed.core.checkpoint.torch_zip import RegionReader
 from lightspeed.core.checkpoint.zero_reader import TensorSource, ZeroCheckpoint, assemble, read_zero_checkpoint
 from lightspeed.core.errors import CheckpointError
 
-__all__ = ["DEEPSPEED_STATE_KEYS", "check_fits", "load_zero_weights", "read_client_state", "read_structure"]
+__all__ = [
+    "DEEPSPEED_STATE_KEYS",
+    "check_fits",
+    "load_full_state_dict",
+    "load_zero_weights",
+    "read_client_state",
+    "read_structure",
+]
 
 #: entries of DeepSpeed's model states files that are DeepSpeed's own, not the client state (Lightning's)
 DEEPSPEED_STATE_KEYS = frozenset(
@@ -172,3 +179,51 @@ def check_fits(module: torch.nn.Module, structure: ZeroCheckpoint, *, strict: bo
             f"{len(problems)} parameter(s) do not match:\n  {listing}\nResume from a checkpoint of the same model "
             "(or load matching weights only with `model.strict_loading = False` outside `fit`)."
         )
+
+
+def load_full_state_dict(
+    module: torch.nn.Module, state_dict: dict[str, Any], *, rank: int, strict: bool = True, source: str = "the file"
+) -> tuple[list[str], list[str]]:
+    """Copy a consolidated ``state_dict`` (a torch or Lightning checkpoint's, or an export's) into ``module``, ZeRO-3
+    partitioned or not, one tensor at a time; returns the module keys it lacked and its keys the module lacks.
+
+    A collective: every rank calls it with the same keys (a partitioned parameter is gathered, written by rank 0 and
+    partitioned again). Shapes that differ, and with ``strict`` missing or unexpected keys, are one
+    :class:`CheckpointError` naming them (``source``: how to name the file) before anything is copied. The caller
+    refreshes the optimizer's fp32 master copies afterwards."""
+    targets = _targets(module)
+    tensors = {key: value for key, value in state_dict.items() if isinstance(value, torch.Tensor)}
+    missing = sorted(_persistent_keys(module) - set(tensors))
+    unexpected = sorted(set(tensors) - set(targets))
+    problems = [
+        f"{key}: {tuple(value.shape)} in {source}, {shape} in the model"
+        for key, value in tensors.items()
+        if key in targets
+        and tuple(value.shape) != (shape := tuple(getattr(targets[key], "ds_shape", targets[key].shape)))
+    ]
+    if strict:
+        problems += [f"{key}: missing from {source}" for key in missing]
+        problems += [f"{key}: not in the model" for key in unexpected]
+    if problems:
+        listing = "\n  ".join(problems)
+        raise CheckpointError(
+            f"{source[0].upper() + source[1:]} does not fit the model; {len(problems)} tensor(s):\n  {listing}\n"
+            "Load the weights of this model, or pass strict=False to load the matching tensors only."
+        )
+    copied: set[int] = set()
+    for key, target in targets.items():
+        if key not in tensors or id(target) in copied:
+            continue
+        copied.add(id(target))  # a tensor registered under several names is written once
+        value = tensors[key]
+        if hasattr(target, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
+                if rank == 0:
+                    with torch.no_grad():
+                        target.data.copy_(value)
+        else:
+            with torch.no_grad():
+                target.data.copy_(value)
+    return missing, unexpected
