@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,7 @@ from lightspeed.core.zero.runtime import (
     export_deepspeed_accelerator,
     zero_device_kind,
 )
+from lightspeed.core.zero.weights import load_full_state_dict
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationMixin
 from lightspeed.strategies.launchers import check_start_method, check_world_matches, fork_launcher_if_wanted
@@ -379,6 +381,22 @@ class ZeroStrategy(
         path = self._node_local_path(str(filepath))
         if self.local_rank == 0:
             self.checkpoint_io.remove_checkpoint(path)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # DeepSpeed's engine loaded sharded checkpoints in load_checkpoint; a consolidated file (load_full_weights)
+        # goes into the partitioned model tensor by tensor, then into the optimizer's fp32 master copies, which
+        # Lightning's own restore leaves stale (the first step would start from the weights before loading)
+        if not (self.load_full_weights and self.zero_stage_3):
+            return
+        self.model_to_device()
+        module = self._module()
+        load_full_state_dict(
+            module, dict(checkpoint["state_dict"]), rank=self.global_rank, strict=strict, source="the checkpoint"
+        )
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and hasattr(optimizer, "refresh_fp32_params"):
+            optimizer.refresh_fp32_params()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
