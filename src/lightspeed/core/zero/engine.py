@@ -98,17 +98,20 @@ def initialize_engine(
     device_index: int | None,
     local_rank: int,
 ) -> tuple[Any, Any, Any]:
-    """``deepspeed.initialize`` on an existing process group; returns ``(engine, optimizer, lr_scheduler)``.
+    """``deepspeed.initialize`` on an existing process group; returns ``(engine, optimizer, lr_scheduler)``. Without
+    a client ``optimizer`` DeepSpeed builds the one (and the scheduler) the config's sections describe, if any.
 
     ``device_index`` is the root device's CUDA index (None on the CPU, where the local rank is used)."""
     import deepspeed
 
     trainable = [p for p in model.parameters() if p.requires_grad]
+    # the parameters an optimizer trains: the client's, or the one the config's "optimizer" section describes
+    trains = optimizer is not None or isinstance(config.get("optimizer"), dict)
     engine, deepspeed_optimizer, _, scheduler = deepspeed.initialize(
         args=argparse.Namespace(device_rank=deepspeed_device_rank(device_index, local_rank)),
         config=config,
         model=model,
-        model_parameters=trainable if optimizer is not None else [],
+        model_parameters=trainable if trains else [],
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
         dist_init_required=False,

@@ -241,17 +241,18 @@ class _Resolver:
             return
         params = section["params"]
         opt = self.facts.optimizer
+        lr = opt.lr if opt is not None else _config_lr(self.config)
         for name in _SCHEDULER_LR_KEYS:
             if params.get(name) != AUTO:
                 continue
-            if opt is None:
+            if lr is None:
                 self._unresolved(
                     f"scheduler.params.{name}",
                     f'scheduler.params.{name} is "auto", but the LightningModule\'s optimizer (and so its learning '
                     f'rate) is unknown. Write the peak learning rate instead, e.g. "{name}": 0.001.',
                 )
             else:
-                params[name] = opt.lr
+                params[name] = lr
         for name in _SCHEDULER_TOTAL_STEPS_KEYS:
             if params.get(name) != AUTO:
                 continue
@@ -289,6 +290,14 @@ class _Resolver:
                     f'{dotted} is "auto", but lightspeed cannot derive it from {source} or the model. '
                     f"Write the value instead{_default_hint(prefix, key)}, or remove the key.",
                 )
+
+
+def _config_lr(config: dict) -> float | None:
+    """The learning rate the config's own optimizer section gives (the optimizer when there is no client one)."""
+    section = config.get("optimizer")
+    params = section.get("params") if isinstance(section, dict) else None
+    value = params.get("lr") if isinstance(params, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _default_hint(prefix: str, key: str) -> str:
