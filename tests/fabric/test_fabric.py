@@ -41,6 +41,7 @@ TRAIN_NAMES = [
 ACCUM_NAMES = ["ddp_exact", "zero1", "zero2", "zero3"]
 RESUME_NAMES = ["zero2", "zero3_offload"]
 FULL_NAMES = ["zero1", "zero2", "zero3", "zero3_offload"]
+CONFIG_OPTIMIZER_NAMES = ["zero1", "zero2", "zero3"]
 WORLD = 2
 
 
@@ -52,6 +53,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Path:
         + [f"accum:{n}" for n in ACCUM_NAMES]
         + [f"resume:{n}" for n in RESUME_NAMES]
         + [f"full:{n}" for n in FULL_NAMES]
+        + [f"config_opt:{n}" for n in CONFIG_OPTIMIZER_NAMES]
         + ["errors:zero2", "errors:zero3"]
     )
     run_torchrun(SCRIPTS / "fabric_cases.py", WORLD, [out, ",".join(specs)], timeout=600)
@@ -205,6 +207,31 @@ def test_fabrics_no_backward_sync_idiom_is_the_plain_accumulation_it_writes(case
         data, fabric_cases.linear(3, False), fabric_cases.ACCUM_LR, "mean", short_weight="per_window"
     )
     _assert_weights(run["weights"], expected, f"{name} no_backward_sync")
+
+
+@pytest.mark.parametrize("name", CONFIG_OPTIMIZER_NAMES)
+def test_the_config_optimizer_and_scheduler_train_like_torch_by_hand(cases: Path, name: str) -> None:
+    """``fabric.setup(model, lightspeed.fabric.config_optimizer())``: DeepSpeed's SGD and WarmupDecayLR from the
+    config, the scheduler stepped with every ``optimizer.step()``, equal plain torch SGD with the same scheduler."""
+    from deepspeed.runtime.lr_schedules import WarmupDecayLR
+
+    meta, weights = _meta(cases, f"config_opt_{name}"), torch.load(cases / f"config_opt_{name}.pt")
+    data = make_regression_data()
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), **fabric_cases.CONFIG_OPTIMIZER["params"])
+    scheduler = WarmupDecayLR(optimizer, total_num_steps=6, warmup_min_lr=0.0, warmup_max_lr=0.05, warmup_num_steps=2)
+    per_rank = _rank_micro_batches(64, batch=4)
+    for step in range(6):
+        index = [i for rank in per_rank for i in rank[step]]
+        optimizer.zero_grad()
+        nn.functional.mse_loss(net(data.tensors[0][index]), data.tensors[1][index]).backward()
+        optimizer.step()
+        scheduler.step()
+    assert meta["warmup_max_lr"] == 0.05 and meta["global_steps"] == 6
+    assert meta["lr"] == [pytest.approx(optimizer.param_groups[0]["lr"])]
+    for key, value in net.state_dict().items():
+        diff = (weights[key] - value).abs().max().item()
+        assert diff <= 1e-5, f"{name} {key}: differs from the single-process reference by {diff:.3e}"
 
 
 # --------------------------------------------------------------------------------------------- checkpoints

@@ -12,7 +12,7 @@ from lightspeed.fabric.ddp_exact import DDPExactFabricStrategy
 from lightspeed.fabric.exact_accumulation import AccumulationStep, accumulate
 from lightspeed.fabric.last_checkpoint import last_checkpoint
 from lightspeed.fabric.registration import register_fabric_strategies
-from lightspeed.fabric.zero import ZeroFabricStrategy
+from lightspeed.fabric.zero import ZeroFabricStrategy, config_optimizer
 from lightspeed.fabric.zero_auto import ZeroAutoFabricStrategy
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "ZeroAutoFabricStrategy",
     "ZeroFabricStrategy",
     "accumulate",
+    "config_optimizer",
     "last_checkpoint",
     "register_fabric_strategies",
 ]

@@ -75,7 +75,24 @@ from lightspeed.strategies.launchers import check_world_matches
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
-__all__ = ["ZeroFabricStrategy", "unknown_keywords_error"]
+__all__ = ["ConfigOptimizer", "ZeroFabricStrategy", "config_optimizer", "unknown_keywords_error"]
+
+
+class ConfigOptimizer:
+    """Stands for the optimizer the DeepSpeed config's ``"optimizer"`` section describes (see
+    :func:`config_optimizer`)."""
+
+
+def config_optimizer() -> ConfigOptimizer:
+    """Pass to ``fabric.setup`` for the optimizer (and scheduler) of the DeepSpeed config::
+
+        model, optimizer = fabric.setup(model, lightspeed.fabric.config_optimizer())
+
+    DeepSpeed builds them from the config's ``"optimizer"``/``"scheduler"`` sections; ``optimizer.step()`` then
+    steps the config's scheduler too, as ``engine.step()`` does (a scheduler ``"auto"`` peak LR is the config
+    optimizer's ``lr``)."""
+    return ConfigOptimizer()
+
 
 # Keywords of Lightning Fabric's own DeepSpeedStrategy (or of lightspeed's Trainer strategy) that this strategy does
 # not take, with what to do instead.
@@ -258,6 +275,7 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, DeepSpeedStrat
         self._config_logged = False
         self._step_restores: list[Callable[[], None]] = []  # undo per-step overrides after the next step
         self._pending_norm: torch.Tensor | None = None  # returned by clip_gradients, filled by the next step
+        self._config_scheduler: Any = None  # the DeepSpeed config's scheduler, under config_optimizer()
 
     @property
     def accumulation_steps_in_config(self) -> int | None:
@@ -380,10 +398,23 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, DeepSpeedStrat
         if len(optimizers) != 1:
             raise one_optimizer_error(f"{len(optimizers)} optimizers", "`fabric.setup` got")
         self._final_config(module)
-        optimizer, message = prepare_optimizer(optimizers[0], scheduler, self.config)
-        if message is not None:
-            rank_zero_info(message)
+        optimizer: Optimizer | None
+        if isinstance(optimizers[0], ConfigOptimizer):
+            if not isinstance(self.config.get("optimizer"), dict):
+                raise DeepSpeedConfigError(
+                    "`lightspeed.fabric.config_optimizer()` stands for the optimizer of the DeepSpeed config, but the "
+                    'config has no "optimizer" section. Add one, or pass a torch optimizer to `fabric.setup`.'
+                )
+            optimizer = None
+        else:
+            optimizer, message = prepare_optimizer(optimizers[0], scheduler, self.config)
+            if message is not None:
+                rank_zero_info(message)
         engine, deepspeed_optimizer, deepspeed_scheduler = self._initialize_engine(module, optimizer, scheduler)
+        if optimizer is None and scheduler is None:
+            # the config's scheduler: stepped with every optimizer step, as engine.step() would; not handed to Fabric,
+            # so `fabric.setup` returns (model, optimizer) as asked
+            self._config_scheduler, deepspeed_scheduler = deepspeed_scheduler, None
         self._deepspeed_engine = self._with_named_hangs(engine)
         self._set_deepspeed_activation_checkpointing()
         return engine, [deepspeed_optimizer], deepspeed_scheduler
@@ -466,13 +497,16 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, DeepSpeedStrat
         return result
 
     def _count_step(self, optimizer: Any) -> None:
-        """What ``engine.step()`` counts and Fabric's ``optimizer.step()`` bypasses: the step (a skipped one too, on
-        fp16 overflow) and the samples, so checkpoints, their markers and a resumed engine know the step."""
+        """What ``engine.step()`` does and Fabric's ``optimizer.step()`` bypasses: count the step (a skipped one too, on
+        fp16 overflow) and the samples, so checkpoints, their markers and a resumed engine know the step, and step the
+        config's scheduler under :func:`config_optimizer`."""
         engine = self._deepspeed_engine
         if engine is None:
             return
         if getattr(optimizer, "overflow", False):
             engine.skipped_steps += 1
+        elif self._config_scheduler is not None:
+            self._config_scheduler.step()
         engine.global_steps += 1
         engine.global_samples += engine.train_batch_size()
 

@@ -8,6 +8,7 @@ Scenarios (each writes OUT_DIR/<scenario>.json and, for weights, OUT_DIR/<scenar
   resume:NAME         2 steps, fabric.save, 2 more steps; then a fresh Fabric loads and does the same 2 steps
   full:NAME           load_full_weights=True: a fabric.save-style file, a plain state dict and a safetensors export
                       loaded into the model (and the optimizer's masters), one step after each; strict=False
+  config_opt:NAME     the optimizer and scheduler of the DeepSpeed config (config_optimizer()), 6 steps
   errors:NAME         two optimizers, clip_gradients(clip_val=...), a config contradicting Fabric's precision;
                       ZeRO-3: a module deep-copied under fabric.init_module()
 """
@@ -301,7 +302,37 @@ def scenario_full(name: str, out: Path) -> tuple[dict, dict]:
     return meta, weights
 
 
+# ----------------------------------------------------------------------------------------------- config optimizer
+CONFIG_OPTIMIZER = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}}
+CONFIG_SCHEDULER = {
+    "type": "WarmupDecayLR",
+    "params": {"warmup_min_lr": 0.0, "warmup_max_lr": "auto", "warmup_num_steps": 2, "total_num_steps": 6},
+}
+
+
+def scenario_config_opt(name: str, out: Path) -> tuple[dict, dict]:
+    """The optimizer and scheduler of the DeepSpeed config (``lightspeed.fabric.config_optimizer()``), 6 steps."""
+    config = {"optimizer": CONFIG_OPTIMIZER, "scheduler": CONFIG_SCHEDULER}
+    fabric = make_fabric(name, strategy=lightspeed.fabric.ZeroFabricStrategy(stage=int(name[-1]), config=config))
+    model, optimizer = fabric.setup(make_net(), lightspeed.fabric.config_optimizer())
+    loader = fabric.setup_dataloaders(DataLoader(make_regression_data(), batch_size=4, shuffle=False))
+    for step, (x, y) in enumerate(loader):
+        if step == 6:
+            break
+        fabric.backward(nn.functional.mse_loss(model(x), y), model=model)
+        optimizer.step()
+        optimizer.zero_grad()
+    engine = model._forward_module
+    meta = {
+        "lr": [group["lr"] for group in engine.optimizer.param_groups],
+        "warmup_max_lr": fabric.strategy.config["scheduler"]["params"]["warmup_max_lr"],
+        "global_steps": int(engine.global_steps),
+    }
+    return meta, weights_of(model)
+
+
 SCENARIOS = {
+    "config_opt": scenario_config_opt,
     "train": scenario_train,
     "accum": scenario_accum,
     "resume": scenario_resume,
