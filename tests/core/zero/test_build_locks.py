@@ -33,7 +33,7 @@ def test_an_old_lock_no_build_holds_is_removed_with_a_message_naming_it(tmp_path
 
 
 def test_a_young_lock_no_build_holds_is_waited_for_then_removed(tmp_path: Path) -> None:
-    lock = _lock(tmp_path, "cpu_adam", age_s=5)
+    lock = _lock(tmp_path, "cpu_adam", age_s=15)
     messages: list[str] = []
     naps: list[float] = []
 
@@ -64,6 +64,17 @@ def test_the_lock_of_a_live_build_is_left_to_torch_with_a_message(tmp_path: Path
     finally:
         builder.kill()
         builder.wait()
+
+
+def test_a_lock_of_a_few_seconds_is_an_op_being_loaded_and_gets_no_message(tmp_path: Path) -> None:
+    lock = _lock(tmp_path, "cpu_adam", age_s=1)
+    messages: list[str] = []
+
+    def released(seconds: float) -> None:  # the other process finishes loading the op and releases its lock
+        lock.unlink()
+
+    assert clear_stale_build_locks(tmp_path, report=messages.append, sleep=released) == []
+    assert messages == []
 
 
 def test_no_lock_no_message(tmp_path: Path) -> None:

@@ -71,6 +71,8 @@ def _put_first_on_path(bin_dir: Path, program: str) -> None:
 
 #: a build lock this old with no process building beside it was left by a build killed half-way
 STALE_LOCK_AGE_S = 300.0
+#: younger locks belong to a load or build in progress (torch locks even to check an up-to-date op): no message
+_QUIET_S = 10.0
 
 
 def _processes_building_in(build_dir: Path) -> list[int]:
@@ -103,7 +105,8 @@ def clear_stale_build_locks(
     leaves torch's ``lock`` behind, and every later run would wait on it forever without a word. A lock with a
     process building beside it belongs to a live build: torch waits for it, and ``report`` says so. A lock with no
     builder is removed once it is ``stale_after_s`` old (younger ones are waited for, with one ``report`` line naming
-    the file, since a build may be between two steps). ``report`` defaults to a ``UserWarning``.
+    the file, since a build may be between two steps). Locks younger than 10 s are another process loading or building
+    an op right now and get no message. ``report`` defaults to a ``UserWarning``.
     """
     if report is None:
 
@@ -115,17 +118,18 @@ def clear_stale_build_locks(
     for lock in sorted({*root.glob("*/lock"), *root.glob("*/*/lock")}):
         announced = False
         while lock.exists():
-            builders = _processes_building_in(lock.parent)
-            if builders:
-                report(
-                    f"lightspeed: waiting for the build of DeepSpeed op {lock.parent.name!r} by process "
-                    f"{builders[0]} (lock {str(lock)!r})."
-                )
-                break  # torch's own lock waits for it
             try:
                 age = time.time() - lock.stat().st_mtime
             except FileNotFoundError:
                 break
+            builders = _processes_building_in(lock.parent)
+            if builders:
+                if age >= _QUIET_S:  # torch also takes the lock to check an up-to-date op: only real builds are told
+                    report(
+                        f"lightspeed: waiting for the build of DeepSpeed op {lock.parent.name!r} by process "
+                        f"{builders[0]} (lock {str(lock)!r})."
+                    )
+                break  # torch's own lock waits for it
             if age >= stale_after_s:
                 lock.unlink(missing_ok=True)
                 report(
@@ -134,7 +138,7 @@ def clear_stale_build_locks(
                 )
                 removed.append(lock)
                 break
-            if not announced:
+            if not announced and age >= _QUIET_S:
                 report(
                     f"lightspeed: waiting for the build lock {str(lock)!r}: no process is building DeepSpeed op "
                     f"{lock.parent.name!r}; the lock is removed once it is {stale_after_s:.0f} s old."
