@@ -604,10 +604,13 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, DeepSpeedStrat
                     "them), under 'state_dict' (a Lightning checkpoint), or a plain state dict of tensors."
                 )
         missing, unexpected = load_full_state_dict(
-            engine.module, weights, rank=self.global_rank, strict=strict, source=f"checkpoint {target!r}"
+            engine.module,
+            weights,
+            rank=self.global_rank,
+            optimizer=engine.optimizer,
+            strict=strict,
+            source=f"checkpoint {target!r}",
         )
-        if engine.optimizer is not None and hasattr(engine.optimizer, "refresh_fp32_params"):
-            engine.optimizer.refresh_fp32_params()  # the next step starts from the loaded weights
         if missing or unexpected:
             rank_zero_warn(
                 f"lightspeed: `fabric.load(..., strict=False)` loaded {target!r} into the model without "
@@ -641,7 +644,7 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, DeepSpeedStrat
         engine = engines[0] if len(engines) == 1 else None
         load_policy.check_before_loading(
             target,
-            module=engine.module if engine is not None and not self.node_local_storage else None,
+            module=engine.module if engine is not None else None,  # node-local parts are checked, not their shapes
             strict=strict,
             node_rank=self.node_rank if self.node_local_storage else None,
             warn=rank_zero_warn,

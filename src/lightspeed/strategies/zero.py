@@ -392,11 +392,13 @@ class ZeroStrategy(
         self.model_to_device()
         module = self._module()
         load_full_state_dict(
-            module, dict(checkpoint["state_dict"]), rank=self.global_rank, strict=strict, source="the checkpoint"
+            module,
+            dict(checkpoint["state_dict"]),
+            rank=self.global_rank,
+            optimizer=getattr(self.model, "optimizer", None),
+            strict=strict,
+            source="the checkpoint",
         )
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None and hasattr(optimizer, "refresh_fp32_params"):
-            optimizer.refresh_fp32_params()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

@@ -421,7 +421,6 @@ def read_zero_checkpoint(
         aliases: dict[str, str] = {}
         skipped: list[str] = []
         seen: set[str] = set()
-        stored_at: dict[tuple, str] = {}
         first_with_storage = _first_name_per_storage(module)
         for name, value in module.items():
             if name in shared and shared[name] != name:
@@ -430,9 +429,9 @@ def read_zero_checkpoint(
             source = trainable.get(name) or frozen.get(name)
             owner = first_with_storage.get(_identity(value)) if isinstance(value, FileRegion) else None
             if source is None and owner is not None and owner != name:
-                # The same tensor under another name that DeepSpeed did not record: a module registered twice in
-                # one parent (``nn.Sequential(block, act, block)``), which DeepSpeed's walk over
-                # ``named_children()`` visits once. torch.save kept one storage for it: an alias of the owner.
+                # The same tensor under another name that DeepSpeed did not record (torch.save kept one storage for
+                # it): a tied weight or buffer stored in the module, or a module registered twice in one parent
+                # (``nn.Sequential(block, act, block)``), which DeepSpeed's walk over ``named_children()`` visits once.
                 aliases[name] = aliases.get(owner, owner)
                 continue
             if source is None and isinstance(value, FileRegion):
@@ -449,12 +448,6 @@ def read_zero_checkpoint(
             if source is None:
                 skipped.append(name)
                 continue
-            if source.kind in ("module", "buffer"):  # torch.save keeps tied tensors as one storage region
-                identity = _identity(source.pieces[0])
-                if identity in stored_at and source.pieces[0].numel > 0:
-                    aliases[name] = stored_at[identity]
-                    continue
-                stored_at[identity] = name
             tensors.append(source)
             seen.add(name)
         for name, source in {**trainable, **frozen}.items():

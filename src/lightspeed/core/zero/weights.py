@@ -12,6 +12,8 @@ whole model.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +98,24 @@ def _persistent_keys(module: torch.nn.Module) -> set[str]:
     return keys
 
 
+def _model_shape(target: torch.Tensor) -> tuple[int, ...]:
+    """The full shape of a module tensor, also of a ZeRO-3 partitioned parameter (whose own shape is empty)."""
+    return tuple(getattr(target, "ds_shape", target.shape))
+
+
+@contextmanager
+def _writable(target: torch.Tensor, rank: int) -> Iterator[bool]:
+    """Make ``target`` whole for the block and say whether this rank writes it: a ZeRO-3 partitioned parameter is
+    gathered, written by rank 0 and partitioned again afterwards (a collective); any other tensor by every rank."""
+    if hasattr(target, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
+            yield rank == 0
+    else:
+        yield True
+
+
 def load_zero_weights(module: torch.nn.Module, structure: ZeroCheckpoint, *, rank: int, strict: bool = True) -> None:
     """Copy every tensor of ``structure`` into ``module`` (ZeRO-3 partitioned or not), one tensor at a time.
 
@@ -125,21 +145,16 @@ def load_zero_weights(module: torch.nn.Module, structure: ZeroCheckpoint, *, ran
             target = targets.get(source.name)
             if target is None:
                 continue
-            model_shape = tuple(getattr(target, "ds_shape", target.shape))
+            model_shape = _model_shape(target)
             if failure is None and tuple(source.shape) != model_shape:
                 failure = CheckpointError(
                     f"{structure.files.tag_dir}: {source.name!r} has shape {tuple(source.shape)} in the checkpoint "
                     f"but {model_shape} in the model"
                 )
             # after a failure the loop goes on without reading, so that every rank runs the same collectives
-            if hasattr(target, "ds_id"):
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
-                    if rank == 0 and failure is None:
-                        failure = _copy(source, reader, target)
-            elif failure is None:
-                failure = _copy(source, reader, target)
+            with _writable(target, rank) as writes:
+                if writes and failure is None:
+                    failure = _copy(source, reader, target)
     finally:
         reader.close()
     if failure is not None:
@@ -165,7 +180,7 @@ def check_fits(module: torch.nn.Module, structure: ZeroCheckpoint, *, strict: bo
         target = targets.get(source.name)
         if target is None:
             continue
-        model_shape = tuple(getattr(target, "ds_shape", target.shape))
+        model_shape = _model_shape(target)
         if tuple(source.shape) != model_shape:
             problems.append(f"{source.name}: {tuple(source.shape)} in the checkpoint, {model_shape} in the model")
     if strict:
@@ -182,24 +197,30 @@ def check_fits(module: torch.nn.Module, structure: ZeroCheckpoint, *, strict: bo
 
 
 def load_full_state_dict(
-    module: torch.nn.Module, state_dict: dict[str, Any], *, rank: int, strict: bool = True, source: str = "the file"
+    module: torch.nn.Module,
+    state_dict: dict[str, Any],
+    *,
+    rank: int,
+    optimizer: Any | None = None,
+    strict: bool = True,
+    source: str = "the file",
 ) -> tuple[list[str], list[str]]:
     """Copy a consolidated ``state_dict`` (a torch or Lightning checkpoint's, or an export's) into ``module``, ZeRO-3
-    partitioned or not, one tensor at a time; returns the module keys it lacked and its keys the module lacks.
+    partitioned or not, one tensor at a time, then into the fp32 master copies of the ZeRO ``optimizer`` (None: no
+    optimizer), so its next step starts from these weights; returns the module keys it lacked and its keys the module
+    lacks.
 
     A collective: every rank calls it with the same keys (a partitioned parameter is gathered, written by rank 0 and
     partitioned again). Shapes that differ, and with ``strict`` missing or unexpected keys, are one
-    :class:`CheckpointError` naming them (``source``: how to name the file) before anything is copied. The caller
-    refreshes the optimizer's fp32 master copies afterwards."""
+    :class:`CheckpointError` naming them (``source``: how to name the file) before anything is copied."""
     targets = _targets(module)
     tensors = {key: value for key, value in state_dict.items() if isinstance(value, torch.Tensor)}
     missing = sorted(_persistent_keys(module) - set(tensors))
     unexpected = sorted(set(tensors) - set(targets))
     problems = [
-        f"{key}: {tuple(value.shape)} in {source}, {shape} in the model"
+        f"{key}: {tuple(value.shape)} in {source}, {_model_shape(targets[key])} in the model"
         for key, value in tensors.items()
-        if key in targets
-        and tuple(value.shape) != (shape := tuple(getattr(targets[key], "ds_shape", targets[key].shape)))
+        if key in targets and tuple(value.shape) != _model_shape(targets[key])
     ]
     if strict:
         problems += [f"{key}: missing from {source}" for key in missing]
@@ -215,15 +236,9 @@ def load_full_state_dict(
         if key not in tensors or id(target) in copied:
             continue
         copied.add(id(target))  # a tensor registered under several names is written once
-        value = tensors[key]
-        if hasattr(target, "ds_id"):
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
-                if rank == 0:
-                    with torch.no_grad():
-                        target.data.copy_(value)
-        else:
-            with torch.no_grad():
-                target.data.copy_(value)
+        with _writable(target, rank) as writes, torch.no_grad():
+            if writes:
+                target.data.copy_(tensors[key])
+    if optimizer is not None and hasattr(optimizer, "refresh_fp32_params"):
+        optimizer.refresh_fp32_params()  # the ZeRO optimizer's fp32 copies would still hold the weights from before
     return missing, unexpected
