@@ -54,6 +54,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Path:
         + [f"resume:{n}" for n in RESUME_NAMES]
         + [f"full:{n}" for n in FULL_NAMES]
         + [f"config_opt:{n}" for n in CONFIG_OPTIMIZER_NAMES]
+        + [f"torch_sched:{n}" for n in CONFIG_OPTIMIZER_NAMES]
         + ["errors:zero2", "errors:zero3"]
     )
     run_torchrun(SCRIPTS / "fabric_cases.py", WORLD, [out, ",".join(specs)], timeout=600)
@@ -229,6 +230,33 @@ def test_the_config_optimizer_and_scheduler_train_like_torch_by_hand(cases: Path
         scheduler.step()
     assert meta["warmup_max_lr"] == 0.05 and meta["global_steps"] == 6
     assert meta["lr"] == [pytest.approx(optimizer.param_groups[0]["lr"])]
+    for key, value in net.state_dict().items():
+        diff = (weights[key] - value).abs().max().item()
+        assert diff <= 1e-5, f"{name} {key}: differs from the single-process reference by {diff:.3e}"
+
+
+@pytest.mark.parametrize("name", CONFIG_OPTIMIZER_NAMES)
+def test_a_torch_scheduler_built_on_the_returned_optimizer_trains_like_torch_by_hand(cases: Path, name: str) -> None:
+    """``StepLR(optimizer)`` on what ``fabric.setup`` returned (torch refused DeepSpeed's ZeRO optimizer: "... is not
+    an Optimizer") sets the learning rate the ZeRO step uses: equal to torch SGD + StepLR by hand; its state goes into
+    the checkpoint and comes back."""
+    meta, weights = _meta(cases, f"torch_sched_{name}"), torch.load(cases / f"torch_sched_{name}.pt")
+    data = make_regression_data()
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), **fabric_cases.TORCH_SCHEDULER_SGD)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, **fabric_cases.TORCH_SCHEDULER_STEPLR)
+    per_rank = _rank_micro_batches(64, batch=4)
+    lrs = []
+    for step in range(6):
+        index = [i for rank in per_rank for i in rank[step]]
+        optimizer.zero_grad()
+        nn.functional.mse_loss(net(data.tensors[0][index]), data.tensors[1][index]).backward()
+        optimizer.step()
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert meta["is_torch_optimizer"] and "DeepSpeedZeroOptimizer" in meta["repr"]
+    assert meta["lrs"] == pytest.approx(lrs) and lrs[-1] < lrs[0]
+    assert meta["restored_epoch"] == 3 and meta["restored_lr"] == [pytest.approx(lrs[2])]
     for key, value in net.state_dict().items():
         diff = (weights[key] - value).abs().max().item()
         assert diff <= 1e-5, f"{name} {key}: differs from the single-process reference by {diff:.3e}"

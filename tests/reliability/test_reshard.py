@@ -1,7 +1,8 @@
 """Resuming on another number of processes: a checkpoint written by 4 processes continues on 2, one written by 2
-continues on 3, for ZeRO 1, 2 and 3 with and without CPU optimizer offload (optimizer state included), and the
-continued run equals the run continued on the original number of processes with the same global batch. The same for
-a Fabric loop (``fabric.save`` / ``fabric.load``), ZeRO 1, 2 and 3."""
+continues on 3, for ZeRO 1, 2 and 3 with and without CPU optimizer offload (optimizer state included) and for a block
+registered twice in one parent (ZeRO 2 and 3), and the continued run equals the run continued on the original number
+of processes with the same global batch. The same for a Fabric loop (``fabric.save`` / ``fabric.load``), ZeRO 1, 2
+and 3."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from _elastic import failure, run_elastic
 
 from _support.models import make_net
 
-CONFIGS = ["s1", "s2", "s3", "s1_offload", "s2_offload", "s3_offload"]
+CONFIGS = ["s1", "s2", "s3", "s1_offload", "s2_offload", "s3_offload", "s2_shared", "s3_shared"]
 GLOBAL_BATCH = 12
 TOLERANCE = 1e-5
 
@@ -48,6 +49,8 @@ def test_the_run_continued_on_another_world_size_equals_the_original_continuatio
     )
     assert outputs[resumed].count(line) == 1
     assert not list(folder.glob("*.lightspeed-universal"))  # the converted copy is removed after loading
+    if config.endswith("shared"):  # the block registered twice is one tensor after resharding too
+        assert torch.equal(continued["net.2.weight"], continued["net.4.weight"])
 
 
 def test_resuming_changes_the_weights_so_the_comparison_is_not_vacuous(runs: tuple[Path, dict[int, str]]) -> None:

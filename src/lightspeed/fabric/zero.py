@@ -14,6 +14,10 @@ Lightning Fabric's ``DeepSpeedStrategy`` with lightspeed's ZeRO core, the same t
   committed only when every rank finished, so ``lightspeed export`` reads it; loading checks the checkpoint first
   (truncated shard, another model: one error on every rank) and reshards one written by another number of processes;
   ``node_local_storage=True`` keeps each node's files on its own disk;
+* the optimizer ``fabric.setup`` returns is a ``torch.optim.Optimizer``, so torch schedulers built on it afterwards
+  (``StepLR(optimizer)``) set the learning rate the ZeRO step uses;
+* HuggingFace models: ``from_pretrained`` under ``fabric.init_module()`` loads into ZeRO-3 partitions, and ``generate``
+  keeps the ranks in step (:mod:`lightspeed.fabric.zero_models`);
 * one optimizer, clipping by norm only, and unknown keywords are errors that say what to change.
 """
 
@@ -67,9 +71,12 @@ from lightspeed.core.zero.engine import (
     prepare_optimizer,
     save_zero_checkpoint,
 )
+from lightspeed.core.zero.generation import keep_generation_in_step
 from lightspeed.core.zero.runtime import check_precision_supported, export_deepspeed_accelerator, zero_device_kind
+from lightspeed.core.zero.schedulable import make_schedulable
 from lightspeed.core.zero.weights import load_full_state_dict
 from lightspeed.fabric.process_group import ProcessGroupMixin
+from lightspeed.fabric.zero_models import ZeroModelsMixin
 from lightspeed.strategies.launchers import check_world_matches
 
 if TYPE_CHECKING:
@@ -178,7 +185,7 @@ def _inside_the_window(engine: Any) -> Iterator[None]:
         set_deepspeed_boundary(engine, True)
 
 
-class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, DeepSpeedStrategy):
+class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixin, DeepSpeedStrategy):
     """DeepSpeed ZeRO for Lightning Fabric, on ``accelerator="cuda"`` (nccl) and ``accelerator="cpu"`` (gloo).
 
     ``import lightspeed`` registers it for Fabric under the Trainer strategies' names (``zero1`` ... ``zero3_nvme``):
@@ -417,13 +424,16 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, DeepSpeedStrat
             self._config_scheduler, deepspeed_scheduler = deepspeed_scheduler, None
         self._deepspeed_engine = self._with_named_hangs(engine)
         self._set_deepspeed_activation_checkpointing()
-        return engine, [deepspeed_optimizer], deepspeed_scheduler
+        keep_generation_in_step(module)
+        # torch schedulers built on the returned optimizer (`StepLR(optimizer)`) need a torch.optim.Optimizer
+        return engine, [make_schedulable(deepspeed_optimizer)], deepspeed_scheduler
 
     @override
     def setup_module(self, module: Module) -> DeepSpeedEngine:
         self._final_config(module)
         engine, _, _ = self._initialize_engine(module)
         self._deepspeed_engine = self._with_named_hangs(engine)
+        keep_generation_in_step(module)
         return self._deepspeed_engine
 
     @override

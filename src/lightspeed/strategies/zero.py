@@ -65,6 +65,7 @@ from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationM
 from lightspeed.strategies.launchers import check_start_method, check_world_matches, fork_launcher_if_wanted
 from lightspeed.strategies.process_group import ProcessGroupMixin
 from lightspeed.strategies.resumable_data import ResumableDataMixin
+from lightspeed.strategies.zero_models import ZeroModelsMixin
 
 if TYPE_CHECKING:
     import deepspeed
@@ -74,7 +75,12 @@ __all__ = ["ZeroStrategy"]
 
 
 class ZeroStrategy(
-    ZeroConfigProperties, ProcessGroupMixin, ResumableDataMixin, DeepSpeedExactAccumulationMixin, DeepSpeedStrategy
+    ZeroConfigProperties,
+    ProcessGroupMixin,
+    ResumableDataMixin,
+    DeepSpeedExactAccumulationMixin,
+    ZeroModelsMixin,
+    DeepSpeedStrategy,
 ):
     """DeepSpeed ZeRO for Lightning, on ``accelerator="cuda"`` (nccl) and ``accelerator="cpu"`` (gloo).
 

@@ -234,3 +234,49 @@ def test_load_exported_mismatch_lists_keys(root, tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in bigger.state_dict().items())  # nothing was loaded
     with pytest.raises(ExportError, match=r"holds no model.safetensors or model.safetensors.index.json"):
         load_exported(bigger, tmp_path)
+
+
+def _edit_model_states(ckpt: Path, tag: str, edit) -> None:
+    paths = sorted((ckpt / tag).glob("*model_states.pt"))  # ZeRO-3: one per rank
+    assert paths
+    for path in paths:
+        states = torch.load(path, weights_only=False)
+        edit(states)
+        torch.save(states, path)
+
+
+@pytest.mark.parametrize("config", ["s1_none_fp32", "s2_cpu_fp32"])
+def test_aliases_of_one_shared_tensor_that_disagree_in_shape(root, tmp_path, config):
+    """The head is tied to the embedding; a checkpoint storing the head with another shape is one error naming both
+    (every reader goes through the same check: export, fresh-evaluation loading, resharding)."""
+    ckpt, tag = copy_of(root, config, tmp_path)
+    shape = list(TinyLM().embed.weight.shape)
+
+    def other_head_shape(states):
+        assert states["shared_params"]["head.weight"] == "embed.weight"
+        states["module"]["head.weight"] = torch.zeros(shape[0] + 1, shape[1])
+
+    _edit_model_states(ckpt, tag, other_head_shape)
+    with pytest.raises(CheckpointError) as caught:
+        export_checkpoint(ckpt, tmp_path / "out")
+    assert str(caught.value) == (
+        f"{ckpt / tag}: 'head.weight' is tied to 'embed.weight', but the checkpoint stores 'head.weight' with shape "
+        f"{[shape[0] + 1, shape[1]]} and 'embed.weight' with shape {shape}; a shared tensor has one shape. The "
+        "checkpoint was edited or written by another model: export it from the run that wrote it."
+    )
+    assert_untouched(tmp_path / "out", None)
+
+
+@pytest.mark.parametrize("config", ["s2_none_fp32", "s3_cpu_fp32"])
+def test_a_shared_tensor_the_checkpoint_lacks_under_every_alias(root, tmp_path, config):
+    ckpt, tag = copy_of(root, config, tmp_path)
+
+    def tie_to_a_missing_name(states):
+        states["shared_params"]["head.weight"] = "lost.weight"
+
+    _edit_model_states(ckpt, tag, tie_to_a_missing_name)
+    with pytest.raises(CheckpointError) as caught:
+        export_checkpoint(ckpt, tmp_path / "out")
+    assert str(caught.value) == (
+        f"{ckpt / tag}: 'head.weight' is tied to 'lost.weight', but the checkpoint holds no data for either name"
+    )

@@ -9,6 +9,8 @@ Scenarios (each writes OUT_DIR/<scenario>.json and, for weights, OUT_DIR/<scenar
   full:NAME           load_full_weights=True: a fabric.save-style file, a plain state dict and a safetensors export
                       loaded into the model (and the optimizer's masters), one step after each; strict=False
   config_opt:NAME     the optimizer and scheduler of the DeepSpeed config (config_optimizer()), 6 steps
+  torch_sched:NAME    torch's StepLR built on the optimizer fabric.setup returned, 6 steps, saved with the
+                      checkpoint after 3 and loaded back into a fresh StepLR
   errors:NAME         two optimizers, clip_gradients(clip_val=...), a config contradicting Fabric's precision;
                       ZeRO-3: a module deep-copied under fabric.init_module()
 """
@@ -331,8 +333,46 @@ def scenario_config_opt(name: str, out: Path) -> tuple[dict, dict]:
     return meta, weights_of(model)
 
 
+# ----------------------------------------------------------------------------------------------- torch scheduler
+TORCH_SCHEDULER_SGD = {"lr": 0.05, "momentum": 0.9}
+TORCH_SCHEDULER_STEPLR = {"step_size": 2, "gamma": 0.5}
+
+
+def scenario_torch_sched(name: str, out: Path) -> tuple[dict, dict]:
+    """``StepLR(optimizer)`` on the ZeRO optimizer ``fabric.setup`` returned, stepped after every optimizer step;
+    its state saved with the checkpoint after 3 steps and loaded back into a fresh ``StepLR``."""
+    fabric = make_fabric(name)
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), **TORCH_SCHEDULER_SGD))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, **TORCH_SCHEDULER_STEPLR)
+    loader = fabric.setup_dataloaders(DataLoader(make_regression_data(), batch_size=4, shuffle=False))
+    lrs, ckpt = [], out / f"torch_sched_{name}"
+    for step, (x, y) in enumerate(loader):
+        if step == 6:
+            break
+        if step == 3:
+            fabric.save(ckpt, {"model": model, "optimizer": optimizer, "scheduler": scheduler})
+        fabric.backward(nn.functional.mse_loss(model(x), y), model=model)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    weights = weights_of(model)
+    restored = torch.optim.lr_scheduler.StepLR(optimizer, **TORCH_SCHEDULER_STEPLR)
+    fabric.load(ckpt, {"model": model, "optimizer": optimizer, "scheduler": restored})
+    meta = {
+        "lrs": lrs,
+        "restored_epoch": restored.last_epoch,
+        "restored_lr": restored.get_last_lr(),
+        "is_torch_optimizer": isinstance(optimizer, torch.optim.Optimizer),
+        "repr": repr(optimizer.optimizer).split(" object at ")[0],
+    }
+    return meta, weights
+
+
 SCENARIOS = {
     "config_opt": scenario_config_opt,
+    "torch_sched": scenario_torch_sched,
     "train": scenario_train,
     "accum": scenario_accum,
     "resume": scenario_resume,

@@ -2,7 +2,8 @@
 
 usage: reshard.py OUT GLOBAL_BATCH ACTION ...  (ACTION: ``write:NAME`` or ``resume:NAME``)
 
-write:NAME:  for each config (ZeRO 1, 2, 3, each with and without CPU optimizer offload): train 3 steps, save
+write:NAME:  for each config (ZeRO 1, 2, 3, each with and without CPU optimizer offload; ZeRO 2 and 3 with a block
+             registered twice in one nn.Sequential, whose weights DeepSpeed records once): train 3 steps, save
              OUT/NAME/CONFIG/ckpt, then continue from it on the same processes to step 7 (the reference); rank 0
              saves OUT/NAME/CONFIG/reference.pt.
 resume:NAME: continue each checkpoint OUT/NAME/CONFIG/ckpt on this run's processes to step 7 with the same global
@@ -19,13 +20,30 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
-from _support.models import RegressionModule, full_state_dict, make_regression_data
+from _support.models import HIDDEN, IN_FEATURES, OUT_FEATURES, RegressionModule, full_state_dict, make_regression_data
 from lightspeed.strategies import ZeroStrategy
 
 FIRST_STEPS, LAST_STEP = 3, 7
-CONFIGS = ["s1", "s2", "s3", "s1_offload", "s2_offload", "s3_offload"]
+CONFIGS = ["s1", "s2", "s3", "s1_offload", "s2_offload", "s3_offload", "s2_shared", "s3_shared"]
+
+
+class SharedBlockRegression(RegressionModule):
+    """``net.2`` and ``net.4`` are one block (registered twice in one parent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        block = nn.Linear(HIDDEN, HIDDEN)
+        self.net = nn.Sequential(
+            nn.Linear(IN_FEATURES, HIDDEN), nn.Tanh(), block, nn.Tanh(), block, nn.Linear(HIDDEN, OUT_FEATURES)
+        )
+
+
+def module(config: str) -> RegressionModule:
+    return SharedBlockRegression() if config.endswith("shared") else RegressionModule()
 
 
 def trainer(config: str, root: Path, max_steps: int) -> L.Trainer:
@@ -51,7 +69,7 @@ def loader(global_batch: int, world_size: int) -> DataLoader:
 def continue_from(ckpt: Path, config: str, root: Path, global_batch: int) -> dict[str, torch.Tensor]:
     L.seed_everything(0, verbose=False)
     run = trainer(config, root, LAST_STEP)
-    run.fit(RegressionModule(), loader(global_batch, run.world_size), ckpt_path=ckpt)
+    run.fit(module(config), loader(global_batch, run.world_size), ckpt_path=ckpt)
     assert run.global_step == LAST_STEP, run.global_step
     return full_state_dict(run.lightning_module)
 
@@ -66,7 +84,7 @@ def main(out: Path, global_batch: int, actions: list[str]) -> None:
             if mode == "write":
                 L.seed_everything(0, verbose=False)
                 first = trainer(config, folder, FIRST_STEPS)
-                first.fit(RegressionModule(), loader(global_batch, first.world_size))
+                first.fit(module(config), loader(global_batch, first.world_size))
                 first.save_checkpoint(ckpt)
                 weights, result = continue_from(ckpt, config, folder, global_batch), "reference.pt"
             else:

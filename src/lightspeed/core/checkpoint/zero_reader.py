@@ -390,6 +390,25 @@ def _first_name_per_storage(module: dict[str, Any]) -> dict[tuple, str]:
     return first
 
 
+def _check_aliases(
+    where: Path, module: dict[str, Any], aliases: dict[str, str], shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """Every alias names a tensor the checkpoint holds, and where the module states store the alias's own data
+    (ZeRO-1/2; ZeRO-3 stores empty placeholders) its shape is the shape of that tensor."""
+    for alias, target in aliases.items():
+        if target not in shapes:
+            raise CheckpointError(
+                f"{where}: {alias!r} is tied to {target!r}, but the checkpoint holds no data for either name"
+            )
+        stored = module.get(alias)
+        if isinstance(stored, FileRegion) and stored.numel > 0 and tuple(stored.shape) != tuple(shapes[target]):
+            raise CheckpointError(
+                f"{where}: {alias!r} is tied to {target!r}, but the checkpoint stores {alias!r} with shape "
+                f"{list(stored.shape)} and {target!r} with shape {list(shapes[target])}; a shared tensor has one "
+                "shape. The checkpoint was edited or written by another model: export it from the run that wrote it."
+            )
+
+
 def read_zero_checkpoint(
     checkpoint: str | os.PathLike | Sequence[str | os.PathLike], tag: str | None = None
 ) -> ZeroCheckpoint:
@@ -453,9 +472,7 @@ def read_zero_checkpoint(
         for name, source in {**trainable, **frozen}.items():
             if name not in seen:
                 tensors.append(source)
-        for alias, target in list(aliases.items()):
-            if target not in {t.name for t in tensors}:
-                raise CheckpointError(f"{files.tag_dir}: {alias!r} is tied to {target!r}, which the checkpoint lacks")
+        _check_aliases(files.tag_dir, module, aliases, {t.name: t.shape for t in tensors})
         unwrap = wrapper_unwrapper([t.name for t in tensors] + list(aliases))
         for source in tensors:
             source.name = unwrap(source.name)

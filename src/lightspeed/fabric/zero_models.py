@@ -1,0 +1,42 @@
+"""Fabric's ZeRO strategy and the models users bring, as a mixin placed before Lightning Fabric's
+``DeepSpeedStrategy``: inside ``fabric.init_module()`` transformers knows the ZeRO-3 config
+(:mod:`lightspeed.core.zero.hf_link`), so ``AutoModelForCausalLM.from_pretrained(path)`` builds and loads the model
+straight into partitions.
+
+The Trainer's mixin also keeps generation in step; here ``fabric.setup`` does that
+(:class:`~lightspeed.fabric.ZeroFabricStrategy` builds the engine itself, :mod:`lightspeed.core.zero.generation`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import override
+
+from lightspeed.core.zero.hf_link import transformers_zero3
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies import DeepSpeedStrategy
+
+    _DeepSpeedStrategyBase = DeepSpeedStrategy  # type-checked as the Lightning strategy it is mixed into
+else:
+    _DeepSpeedStrategyBase = object
+
+__all__ = ["ZeroModelsMixin"]
+
+
+class ZeroModelsMixin(_DeepSpeedStrategyBase):
+    """Pretrained HuggingFace models built into ZeRO-3 partitions under ``fabric.init_module()``."""
+
+    config: dict[str, Any]
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        return self._sharded_and_known_to_transformers(super().module_sharded_context())
+
+    @contextmanager
+    def _sharded_and_known_to_transformers(self, sharded: AbstractContextManager) -> Generator[None, None, None]:
+        with sharded, transformers_zero3(self.config, enabled=self.zero_stage_3):
+            yield

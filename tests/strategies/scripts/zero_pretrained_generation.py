@@ -1,0 +1,157 @@
+"""Worker: a pretrained HuggingFace causal LM under ZeRO-3 (2 ranks), built with ``from_pretrained`` inside
+``configure_model`` (Trainer) or ``fabric.init_module()`` (Fabric), then greedy generation where the ranks stop at
+different steps (rank r generates ``NEW_TOKENS[r]`` tokens), without ``synced_gpus``.
+
+usage: zero_pretrained_generation.py OUT FRONT_END   (FRONT_END: trainer | fabric)
+OUT/pretrained holds the pretrained model (sharded safetensors with an index; the test writes it with
+``write_pretrained``).
+Rank 0 writes OUT/<front_end>.json: per rank the generated tokens (validation and predict), whether the weights were
+partitioned when built, the largest number of parameter elements the rank held, and whether the gathered weights equal
+the files; and the error of ``generate(synced_gpus=False)``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightspeed  # noqa: F401  (registers the strategy names)
+
+NEW_TOKENS = (2, 6)  # per rank: the ranks stop generating at different steps
+PROMPTS = torch.tensor([[5, 9, 13], [7, 2, 40]])
+
+
+def tiny_config() -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=61, n_positions=16, n_embd=20, n_layer=2, n_head=2, tie_word_embeddings=True)
+
+
+def write_pretrained(path: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(11)
+    GPT2LMHeadModel(tiny_config()).save_pretrained(path, max_shard_size="20KB")  # several shards and an index
+
+
+def files_of(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def inspect_model(model: torch.nn.Module, path: Path) -> dict[str, Any]:
+    """Partitioned? Largest local size? Do the gathered weights equal the files?"""
+    import deepspeed
+
+    params = list(model.parameters())
+    local = sum(p.numel() for p in params)  # under ZeRO-3 each parameter is an empty placeholder here
+    partition = sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor"))
+    full = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
+    files = files_of(path)
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    equal = {name: torch.equal(state[name], tensor) for name, tensor in files.items() if name in state}
+    return {
+        "partitioned": all(hasattr(p, "ds_id") for p in params),
+        "local_elements": local,
+        "partition_elements": partition,
+        "full_elements": full,
+        "equal_files": all(equal.values()) and len(equal) == len(files),
+        "compared": len(equal),
+    }
+
+
+def generate(model: Any, rank: int, **kwargs: Any) -> list[int]:
+    out = model.generate(
+        PROMPTS[rank : rank + 1],
+        attention_mask=torch.ones_like(PROMPTS[rank : rank + 1]),
+        max_new_tokens=NEW_TOKENS[rank],
+        do_sample=False,
+        pad_token_id=0,
+        **kwargs,
+    )
+    return out[0].tolist()
+
+
+def error_of(fn: Any) -> dict[str, Any]:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the test compares type and message
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None, "message": None}
+
+
+class GeneratingModule(L.LightningModule):
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self.facts: dict[str, Any] = {}
+
+    def configure_model(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(self.path)
+        self.facts["built"] = inspect_model(self.model, self.path)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.facts["validation"] = generate(self.model, self.global_rank)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> list[int]:
+        self.facts["predict"] = generate(self.model, self.global_rank)
+        self.facts["synced_gpus_false"] = error_of(lambda: generate(self.model, self.global_rank, synced_gpus=False))
+        return self.facts["predict"]
+
+
+def run_trainer(path: Path) -> dict[str, Any]:
+    module = GeneratingModule(path)
+    trainer = L.Trainer(
+        strategy="zero3",
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    one_batch = DataLoader(TensorDataset(torch.zeros(2, 1)), batch_size=1)
+    trainer.validate(module, one_batch)
+    trainer.predict(module, one_batch)
+    return module.facts
+
+
+def run_fabric(path: Path) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    fabric = L.Fabric(strategy="zero3", accelerator="cpu", devices=2)
+    fabric.launch()
+    with fabric.init_module():
+        model = AutoModelForCausalLM.from_pretrained(path)
+    facts: dict[str, Any] = {"built": inspect_model(model, path)}
+    model = fabric.setup_module(model)  # inference only: no optimizer
+    model.mark_forward_method("generate")
+    facts["validation"] = generate(model, fabric.global_rank)
+    facts["synced_gpus_false"] = error_of(lambda: generate(model, fabric.global_rank, synced_gpus=False))
+    return facts
+
+
+def main(out: Path, front_end: str) -> None:
+    path = out / "pretrained"
+    facts = run_trainer(path) if front_end == "trainer" else run_fabric(path)
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, facts)
+    if torch.distributed.get_rank() == 0:
+        (out / f"{front_end}.json").write_text(json.dumps(gathered, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
