@@ -6,12 +6,13 @@ packaged as Lightning strategies, plugins and callbacks.
 (:mod:`lightspeed.registry`).
 DeepSpeed and torch_xla are imported only when a run uses them.
 
-Public: the subpackages ``strategies``, ``plugins``, ``callbacks``, ``fabric``, ``export`` and ``errors`` (every
-exception a user can meet), and the gather functions below.
+Public: the subpackages ``strategies``, ``plugins``, ``callbacks``, ``fabric``, ``export``, ``xla`` (padding to fixed
+shapes, the recompilation alarm) and ``errors`` (every exception a user can meet), the gather functions below, and
+``load_pretrained`` (pretrained weights into a model, straight into its ZeRO-3 partitions).
 ``lightspeed.core`` is internal.
 """
 
-from lightspeed import callbacks, errors, export, fabric, plugins, strategies
+from lightspeed import callbacks, errors, export, fabric, plugins, strategies, xla
 from lightspeed._version import __version__
 from lightspeed.core.gather import (
     GatherError,
@@ -21,6 +22,7 @@ from lightspeed.core.gather import (
     shard_iterable,
     track,
 )
+from lightspeed.core.zero.pretrained import load_pretrained
 from lightspeed.registry import register_all
 
 register_all()
@@ -34,9 +36,11 @@ __all__ = [
     "fabric",
     "gather_for_metrics",
     "gather_object",
+    "load_pretrained",
     "pad_across_processes",
     "plugins",
     "shard_iterable",
     "strategies",
     "track",
+    "xla",
 ]

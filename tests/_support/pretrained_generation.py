@@ -27,18 +27,37 @@ def single_process_tokens(path: Path) -> list[list[int]]:
 
 
 def run_front_end(out: Path, front_end: str) -> tuple[list[dict[str, Any]], list[list[int]]]:
+    """Write the pretrained directories into ``out``, run the worker; its facts and single-process generation."""
     worker.write_pretrained(out / "pretrained")
+    worker.write_plain(out)
     run_torchrun(SCRIPTS / "zero_pretrained_generation.py", 2, [out, front_end], timeout=300)
     return json.loads((out / f"{front_end}.json").read_text()), single_process_tokens(out / "pretrained")
 
 
 def check_built_into_partitions(facts: list[dict[str, Any]]) -> None:
+    """``from_pretrained`` (HF model) and ``lightspeed.load_pretrained`` (plain module) filled ZeRO-3 partitions with
+    the files' exact weights on every rank."""
     for rank, rank_facts in enumerate(facts):
-        built = rank_facts["built"]
-        assert built["partitioned"], f"rank {rank}: from_pretrained built an unpartitioned model"
-        assert built["local_elements"] == 0  # every parameter is an empty placeholder outside a gather
-        assert built["partition_elements"] <= built["full_elements"] // 2 + 64  # this rank's half (and padding)
-        assert built["equal_files"] and built["compared"] > 10, f"rank {rank}: weights differ from the files"
+        for key, tensors in (("built", 10), ("plain", 4)):
+            built = rank_facts[key]
+            assert built["partitioned"], f"rank {rank}: {key} is not partitioned"
+            assert built["local_elements"] == 0  # every parameter is an empty placeholder outside a gather
+            assert built["partition_elements"] <= built["full_elements"] // 2 + 64  # this rank's half (and padding)
+            assert built["equal_files"] and built["compared"] >= tensors, f"rank {rank}: {key} differs from the files"
+
+
+def check_bad_pretrained_directory(out: Path, facts: list[dict[str, Any]]) -> None:
+    """A directory with another shape, a missing and an extra tensor: one error naming all three, on every rank."""
+    source = f"pretrained directory {str(out / 'plain_bad')!r}"
+    expected = (
+        f"Pretrained directory {str(out / 'plain_bad')!r} does not fit the model; 3 tensor(s):\n"
+        f"  0.weight: (37, 14) in {source}, (37, 13) in the model\n"
+        f"  2.bias: missing from {source}\n"
+        "  3.weight: not in the model\n"
+        "Load the weights of this model, or pass strict=False to load the matching tensors only."
+    )
+    for rank_facts in facts:
+        assert rank_facts["plain_bad"] == {"type": "CheckpointError", "message": expected}
 
 
 def check_generation(facts: list[dict[str, Any]], expected: list[list[int]], keys: tuple[str, ...]) -> None:

@@ -5,16 +5,23 @@ and ``generate`` in ``validation_step`` and ``predict_step`` finishes when the r
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from _support.pretrained_generation import check_built_into_partitions, check_generation, run_front_end
+from _support.pretrained_generation import (
+    check_bad_pretrained_directory,
+    check_built_into_partitions,
+    check_generation,
+    run_front_end,
+)
 
 
 @pytest.fixture(scope="module")
-def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[list[int]]]:
-    return run_front_end(tmp_path_factory.mktemp("zero_pretrained_trainer"), "trainer")
+def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[list[int]], Path]:
+    out = tmp_path_factory.mktemp("zero_pretrained_trainer")
+    return (*run_front_end(out, "trainer"), out)
 
 
 def test_from_pretrained_in_configure_model_builds_into_partitions(trainer_run: Any) -> None:
@@ -22,5 +29,12 @@ def test_from_pretrained_in_configure_model_builds_into_partitions(trainer_run: 
 
 
 def test_generation_where_ranks_stop_at_different_steps_equals_one_process(trainer_run: Any) -> None:
-    facts, expected = trainer_run
+    facts, expected, _ = trainer_run
     check_generation(facts, expected, ("validation", "predict"))
+
+
+def test_a_pretrained_directory_that_does_not_fit_is_one_error_naming_the_tensors_on_every_rank(
+    trainer_run: Any,
+) -> None:
+    facts, _, out = trainer_run
+    check_bad_pretrained_directory(out, facts)

@@ -1,5 +1,6 @@
 """``xla_exact`` and ``single_xla_exact``: Lightning's XLA strategies with exact gradient accumulation,
-lightspeed's casting ``XLAPrecision`` and a launcher that does not copy the model into each worker.
+lightspeed's casting ``XLAPrecision``, the recompilation alarm and a launcher that does not copy the model into each
+worker.
 
 Gradients on XLA are never reduced during backward; they are all-reduced (averaged over replicas) once per optimizer
 step, inside the precision plugin's closure, i.e. only at accumulation window boundaries. The
@@ -17,6 +18,7 @@ start the XLA runtime in it), so the launching process can launch again.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 from collections.abc import Callable
@@ -29,9 +31,16 @@ from lightning.pytorch.strategies.launchers.xla import _XLALauncher
 from lightning.pytorch.strategies.single_xla import SingleDeviceXLAStrategy
 from lightning.pytorch.strategies.xla import XLAStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightspeed.core.xla.recompilation import (
+    DEFAULT_WARMUP_STEPS,
+    RecompilationAlarm,
+    XLARecompilationWarning,
+    check_warmup_steps,
+)
 from lightspeed.core.xla.runtime import (
     check_bf16_supported,
     pjrt_device_count,
@@ -166,10 +175,29 @@ else:
 
 class _LightspeedXLAStrategyMixin(_StrategyBase):
     """What both strategies add to Lightning's: lightspeed's ``XLAPrecision`` as the default precision plugin, the
-    bfloat16 check once the runtime runs."""
+    bfloat16 check once the runtime runs, and the recompilation alarm.
+
+    Args:
+        recompilation_alarm: warn once (:class:`~lightspeed.xla.XLARecompilationWarning`, rank 0) when a training
+            step after the warm-up makes torch_xla compile again because the batch's shapes or dtypes changed
+            (:class:`~lightspeed.xla.RecompilationAlarm`). ``False`` turns it off.
+        recompilation_warmup_steps: the first training steps of a fit, whose compilations are expected.
+    """
 
     strategy_name: str
     _precision_plugin: _LightningXLAPrecision | None
+
+    def __init__(
+        self,
+        *args: Any,
+        recompilation_alarm: bool = True,
+        recompilation_warmup_steps: int = DEFAULT_WARMUP_STEPS,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.recompilation_alarm = bool(recompilation_alarm)
+        self.recompilation_warmup_steps = check_warmup_steps(recompilation_warmup_steps)
+        self._recompilation: RecompilationAlarm | None = None
 
     @property
     @override
@@ -189,13 +217,49 @@ class _LightspeedXLAStrategyMixin(_StrategyBase):
         super().setup_environment()
         _check_bf16_in_worker(self.precision_plugin, getattr(self.accelerator, "device_type", None))
 
+    # ---- the recompilation alarm: one per fit, fed at every training batch's start --------------------------
+    @property
+    def recompilation(self) -> RecompilationAlarm | None:
+        """The running (or last) fit's recompilation alarm; ``None`` when it is off or before the first fit."""
+        return self._recompilation
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._recompilation = None
+        if self.recompilation_alarm:
+            self._recompilation = RecompilationAlarm(
+                self.recompilation_warmup_steps,
+                warn=functools.partial(rank_zero_warn, category=XLARecompilationWarning),
+            )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._recompilation is not None:
+            self._recompilation.observe(batch)
+
+    @override
+    def on_validation_start(self) -> None:
+        # the validation loop compiles its own graphs: not the training steps'
+        if self._recompilation is not None:
+            self._recompilation.pause()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        if self._recompilation is not None:
+            self._recompilation.close()
+        super().on_train_end()
+
 
 class XLAExactStrategy(_LightspeedXLAStrategyMixin, ResumableDataMixin, ExactAccumulationMixin, XLAStrategy):
     """Multi-device XLA (``xmp.spawn``) with exact gradient accumulation and lightspeed's ``XLAPrecision``.
 
     Also runs on one device of a host's several, which Lightning's ``XLAStrategy`` refuses; like every launch it
     trains in a forked worker, so the launching process never starts the XLA runtime and can launch again.
-    Accepts ``XLAStrategy``'s arguments plus ``sync_with_dataloader`` (see the accumulation mixin).
+    Accepts ``XLAStrategy``'s arguments plus ``sync_with_dataloader`` (see the accumulation mixin),
+    ``recompilation_alarm`` and ``recompilation_warmup_steps`` (see :class:`_LightspeedXLAStrategyMixin`).
     """
 
     strategy_name = "xla_exact"
@@ -225,7 +289,8 @@ class SingleDeviceXLAExactStrategy(
 ):
     """One XLA device in this process, with exact gradient accumulation and lightspeed's ``XLAPrecision``.
 
-    What ``accelerator="xla", devices=1`` picks; also ``strategy="single_xla_exact"``.
+    What ``accelerator="xla", devices=1`` picks; also ``strategy="single_xla_exact"``. Takes the same extra arguments
+    as :class:`XLAExactStrategy`, e.g. ``SingleDeviceXLAExactStrategy(recompilation_alarm=False)``.
     """
 
     strategy_name = "single_xla_exact"

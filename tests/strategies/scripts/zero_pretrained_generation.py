@@ -2,12 +2,15 @@
 ``configure_model`` (Trainer) or ``fabric.init_module()`` (Fabric), then greedy generation where the ranks stop at
 different steps (rank r generates ``NEW_TOKENS[r]`` tokens), without ``synced_gpus``.
 
+A plain ``nn.Module`` built in the same place gets ``lightspeed.load_pretrained(module, directory)``: a good
+directory, and one with a missing tensor, an extra tensor and a tensor of another shape.
+
 usage: zero_pretrained_generation.py OUT FRONT_END   (FRONT_END: trainer | fabric)
 OUT/pretrained holds the pretrained model (sharded safetensors with an index; the test writes it with
-``write_pretrained``).
+``write_pretrained``), OUT/plain and OUT/plain_bad the plain module's weights (``write_plain``).
 Rank 0 writes OUT/<front_end>.json: per rank the generated tokens (validation and predict), whether the weights were
 partitioned when built, the largest number of parameter elements the rank held, and whether the gathered weights equal
-the files; and the error of ``generate(synced_gpus=False)``.
+the files (HF model and plain module); the errors of ``generate(synced_gpus=False)`` and of loading the bad directory.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightspeed  # noqa: F401  (registers the strategy names)
+import lightspeed
+from _support.models import make_net
 
 NEW_TOKENS = (2, 6)  # per rank: the ranks stop generating at different steps
 PROMPTS = torch.tensor([[5, 9, 13], [7, 2, 40]])
@@ -38,6 +42,34 @@ def write_pretrained(path: Path) -> None:
 
     torch.manual_seed(11)
     GPT2LMHeadModel(tiny_config()).save_pretrained(path, max_shard_size="20KB")  # several shards and an index
+
+
+def write_plain(out: Path) -> None:
+    """The plain module's weights as two safetensors shards with an index, and a directory that does not fit it."""
+    from safetensors.torch import save_file
+
+    weights = make_net(seed=9).state_dict()
+    for folder, tensors in (
+        ("plain", weights),
+        (
+            "plain_bad",
+            {
+                "0.weight": torch.zeros(37, 14),  # another shape
+                "0.bias": weights["0.bias"],
+                "2.weight": weights["2.weight"],  # 2.bias missing
+                "3.weight": torch.zeros(2),  # not in the model
+            },
+        ),
+    ):
+        (out / folder).mkdir(parents=True)
+        names = sorted(tensors)
+        shards = {"model-00001-of-00002.safetensors": names[:2], "model-00002-of-00002.safetensors": names[2:]}
+        for file, keys in shards.items():
+            save_file({key: tensors[key].contiguous() for key in keys}, out / folder / file)
+        weight_map = {key: file for file, keys in shards.items() for key in keys}
+        (out / folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
 
 
 def files_of(path: Path) -> dict[str, torch.Tensor]:
@@ -102,6 +134,12 @@ class GeneratingModule(L.LightningModule):
 
         self.model = AutoModelForCausalLM.from_pretrained(self.path)
         self.facts["built"] = inspect_model(self.model, self.path)
+        self.plain = make_net(seed=0)
+        lightspeed.load_pretrained(self.plain, self.path.parent / "plain")
+        self.facts["plain"] = inspect_model(self.plain, self.path.parent / "plain")
+        self.facts["plain_bad"] = error_of(
+            lambda: lightspeed.load_pretrained(self.plain, self.path.parent / "plain_bad")
+        )
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.facts["validation"] = generate(self.model, self.global_rank)
@@ -136,7 +174,11 @@ def run_fabric(path: Path) -> dict[str, Any]:
     fabric.launch()
     with fabric.init_module():
         model = AutoModelForCausalLM.from_pretrained(path)
+        plain = make_net(seed=0)
     facts: dict[str, Any] = {"built": inspect_model(model, path)}
+    lightspeed.load_pretrained(plain, path.parent / "plain")
+    facts["plain"] = inspect_model(plain, path.parent / "plain")
+    facts["plain_bad"] = error_of(lambda: lightspeed.load_pretrained(plain, path.parent / "plain_bad"))
     model = fabric.setup_module(model)  # inference only: no optimizer
     model.mark_forward_method("generate")
     facts["validation"] = generate(model, fabric.global_rank)

@@ -12,7 +12,7 @@ whole model.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,12 +21,14 @@ import torch
 
 from lightspeed.core.checkpoint.torch_zip import RegionReader
 from lightspeed.core.checkpoint.zero_reader import TensorSource, ZeroCheckpoint, assemble, read_zero_checkpoint
+from lightspeed.core.common.distributed import raise_on_every_rank
 from lightspeed.core.errors import CheckpointError
 
 __all__ = [
     "DEEPSPEED_STATE_KEYS",
     "check_fits",
     "load_full_state_dict",
+    "load_tensors",
     "load_zero_weights",
     "read_client_state",
     "read_structure",
@@ -206,21 +208,46 @@ def load_full_state_dict(
     source: str = "the file",
 ) -> tuple[list[str], list[str]]:
     """Copy a consolidated ``state_dict`` (a torch or Lightning checkpoint's, or an export's) into ``module``, ZeRO-3
-    partitioned or not, one tensor at a time, then into the fp32 master copies of the ZeRO ``optimizer`` (None: no
-    optimizer), so its next step starts from these weights; returns the module keys it lacked and its keys the module
-    lacks.
-
-    A collective: every rank calls it with the same keys (a partitioned parameter is gathered, written by rank 0 and
-    partitioned again). Shapes that differ, and with ``strict`` missing or unexpected keys, are one
-    :class:`CheckpointError` naming them (``source``: how to name the file) before anything is copied."""
-    targets = _targets(module)
+    partitioned or not (see :func:`load_tensors`); returns the module keys it lacked and its keys the module lacks."""
     tensors = {key: value for key, value in state_dict.items() if isinstance(value, torch.Tensor)}
-    missing = sorted(_persistent_keys(module) - set(tensors))
-    unexpected = sorted(set(tensors) - set(targets))
+    shapes = {key: tuple(value.shape) for key, value in tensors.items()}
+    return load_tensors(
+        module, shapes, tensors.__getitem__, rank=rank, optimizer=optimizer, strict=strict, source=source
+    )
+
+
+def load_tensors(
+    module: torch.nn.Module,
+    shapes: Mapping[str, tuple[int, ...]],
+    read: Callable[[str], torch.Tensor],
+    *,
+    rank: int,
+    optimizer: Any | None = None,
+    strict: bool = True,
+    source: str = "the file",
+) -> tuple[list[str], list[str]]:
+    """Copy the tensors ``shapes`` names, each read with ``read(key)`` when it is needed, into ``module`` (ZeRO-3
+    partitioned or not), one tensor at a time, then into the fp32 master copies of the ZeRO ``optimizer`` (None: no
+    optimizer), so its next step starts from these weights; returns the module keys it lacked and its keys the module
+    lacks. A module tensor registered under several names (tied weights) needs only one of them.
+
+    A collective: every rank calls it with the same keys. A partitioned parameter is gathered, written by rank 0
+    alone (only rank 0 reads its value) and partitioned again; any other tensor is read and written by every rank.
+    Shapes that differ, and with ``strict`` missing or unexpected keys, are one :class:`CheckpointError` naming them
+    (``source``: how to name the file) before anything is read."""
+    targets = _targets(module)
+    names_of: dict[int, list[str]] = {}
+    for key, target in targets.items():
+        names_of.setdefault(id(target), []).append(key)
+    persistent = _persistent_keys(module)
+    missing = sorted(
+        key for key in persistent if not any(name in shapes for name in names_of.get(id(targets.get(key)), [key]))
+    )
+    unexpected = sorted(set(shapes) - set(targets))
     problems = [
-        f"{key}: {tuple(value.shape)} in {source}, {_model_shape(targets[key])} in the model"
-        for key, value in tensors.items()
-        if key in targets and tuple(value.shape) != _model_shape(targets[key])
+        f"{key}: {tuple(shape)} in {source}, {_model_shape(targets[key])} in the model"
+        for key, shape in shapes.items()
+        if key in targets and tuple(shape) != _model_shape(targets[key])
     ]
     if strict:
         problems += [f"{key}: missing from {source}" for key in missing]
@@ -232,13 +259,19 @@ def load_full_state_dict(
             "Load the weights of this model, or pass strict=False to load the matching tensors only."
         )
     copied: set[int] = set()
+    failure: CheckpointError | None = None
     for key, target in targets.items():
-        if key not in tensors or id(target) in copied:
+        if key not in shapes or id(target) in copied:
             continue
         copied.add(id(target))  # a tensor registered under several names is written once
+        # after a failure the loop goes on without reading, so that every rank runs the same collectives
         with _writable(target, rank) as writes, torch.no_grad():
-            if writes:
-                target.data.copy_(tensors[key])
+            if writes and failure is None:
+                try:
+                    target.data.copy_(read(key))
+                except Exception as err:  # noqa: BLE001 - a bad file: reported on every rank below
+                    failure = CheckpointError(f"reading {key!r} from {source}: {err}")
+    raise_on_every_rank(failure, f"Loading {source}", error_type=CheckpointError)
     if optimizer is not None and hasattr(optimizer, "refresh_fp32_params"):
         optimizer.refresh_fp32_params()  # the ZeRO optimizer's fp32 copies would still hold the weights from before
     return missing, unexpected
