@@ -1,5 +1,5 @@
-"""The ``lightspeed`` console script: one command with subcommands ``env``, ``test``, ``estimate``, ``config`` and
-``export``.
+"""The ``lightspeed`` console script: one command with subcommands ``env``, ``test``, ``estimate``, ``config``,
+``export`` and ``tune``.
 
 Each subcommand is a module (:data:`SUBCOMMANDS`) that defines ``add_parser(subparsers)`` and ``run(args) -> int``.
 Exit codes: 0 success, 1 a check failed (``lightspeed test``), 2 a user error (one message on stderr, no traceback),
@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "estimate": "lightspeed.cli.estimate_command",
     "config": "lightspeed.cli.config_command",
     "export": "lightspeed.cli.export_command",
+    "tune": "lightspeed.cli.tune_command",
 }
 
 

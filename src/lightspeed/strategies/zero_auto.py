@@ -5,22 +5,38 @@ The choice is made when the DeepSpeed config is first needed: in ``configure_mod
 ``model_sharded_context``) when the model already has its parameters, else in ``setup`` after ``configure_model``
 built them in full (then ZeRO-3 partitions them at ``deepspeed.initialize``). Every rank measures its own devices
 and host memory; the smallest budgets across ranks decide, so all ranks make the same choice.
+
+``tune=True`` measures instead of assuming (:mod:`lightspeed.core.zero.tuner`): before ``fit`` trains, a few real
+steps of every option that fits, on copies of the model and its optimizer and the run's first batches; the fastest
+wins and is remembered in a JSON cache.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightspeed.core.zero.auto_choice import ZeroAutoRequest
+from lightspeed.core.zero.auto_choice import ZeroAutoRequest, zero_auto_config
+from lightspeed.core.zero.config import resolve_config_with_notes
+from lightspeed.core.zero.engine import initialize_engine, prepare_optimizer
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
+from lightspeed.core.zero.tuner import Candidate, TrialSetup, TuneRequest, TuningKey, candidates_from_plan
+from lightspeed.strategies._training_facts import collect_training_facts
+from lightspeed.strategies._tuning import copy_lightning_module, training_loss
 from lightspeed.strategies.zero import ZeroStrategy
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["ZeroAutoStrategy"]
 
@@ -36,6 +52,16 @@ class ZeroAutoStrategy(ZeroStrategy):
         nvme_path: allows NVMe offload (as the last resort) into this directory; default ``$LIGHTSPEED_NVME_PATH``.
         optimizer_state_bytes: optimizer state per parameter (8: Adam/AdamW; 4: SGD with momentum).
         config: a DeepSpeed config merged over the chosen preset; it must not set the stage or offload targets.
+        tune: measure the options that fit (``tune_steps`` steps each after one warm-up step, on copies of the model
+            and optimizer and the run's first batches, in this run's processes) and choose the fastest; logs a table
+            of samples/s and peak memory. The run afterwards equals an untuned run with the chosen config bit for
+            bit. ``fit`` only; the copies need room for a second copy of the model while they run.
+        tune_steps: measured steps per candidate.
+        tune_options: the option names to try (e.g. ``["zero2", "zero3"]``); default: every option that fits.
+        tune_buckets: also try DeepSpeed's own bucket sizes for each option.
+        tune_cache: the JSON file of decisions (default ``~/.cache/lightspeed/zero_tune.json``); a decision is reused
+            only for the same model shapes, world size, precision, micro-batch size, hardware and candidates.
+        retune: measure even when the cache holds a decision.
         **kwargs: the other :class:`ZeroStrategy` arguments: ``pin_memory``, the bucket sizes, ``sub_group_size``
             (applied to whichever stage is chosen, where that stage has them) and Lightning's.
     """
@@ -50,8 +76,15 @@ class ZeroAutoStrategy(ZeroStrategy):
         nvme_path: str | None = None,
         optimizer_state_bytes: int = 8,
         config: str | os.PathLike | dict[str, Any] | None = None,
+        tune: bool = False,
+        tune_steps: int = 3,
+        tune_options: Sequence[str] | None = None,
+        tune_buckets: bool = False,
+        tune_cache: str | os.PathLike | None = None,
+        retune: bool = False,
         **kwargs: Any,
     ) -> None:
+        self.tune_request = TuneRequest.checked(tune, tune_steps, tune_options, tune_buckets, tune_cache, retune)
         self.request = ZeroAutoRequest.from_arguments(
             safety_margin=safety_margin,
             device_memory=device_memory,
@@ -84,7 +117,58 @@ class ZeroAutoStrategy(ZeroStrategy):
         rank_zero_info(f"lightspeed zero_auto: memory plan\n{format_table(decision.plan)}")
         self.config = decision.config
         self.chosen_option = decision.option
-        return decision.option
+        if self.tune_request.tune:
+            self._tune(decision.plan)
+        return self.chosen_option
+
+    def _tune(self, plan: Plan) -> None:
+        """Measure the candidates that fit and configure this strategy as the fastest (``fit`` only)."""
+        module = self._module()
+        trainer = module.trainer
+        if trainer.state.fn != TrainerFn.FITTING or not module.automatic_optimization:
+            rank_zero_info(
+                "lightspeed zero_auto: tune=True measures training steps, so it runs in `fit` with automatic "
+                "optimization only; using the planner's choice."
+            )
+            return
+        candidates = candidates_from_plan(plan, self.tune_request.options, self.tune_request.buckets)
+        loader = trainer.fit_loop._data_source.dataloader()  # the user's loader, as Lightning will set it up
+        setup = TrialSetup(
+            copy_model=lambda: copy_lightning_module(module),
+            config_for=lambda candidate: self._resolved(self._config_of(candidate), module),
+            build_engine=self._trial_engine,
+            loss=lambda model, batch, index: training_loss(
+                model, self.precision_plugin.convert_input(move_data_to_device(batch, self.root_device)), index
+            ),
+            take_batches=lambda n: list(itertools.islice(iter(loader), n)),
+            device=self.root_device,
+        )
+        key = TuningKey.of(
+            module,
+            world_size=self.world_size,
+            precision=str(self.precision_plugin.precision),
+            device=self.root_device,
+            candidates=[candidate.name for candidate in candidates],
+            micro_batch=getattr(loader, "batch_size", None),
+        )
+        result = self.tune_request.run(candidates, setup, key, info=rank_zero_info)
+        self.chosen_option = result.chosen.option
+        self.config = self._config_of(result.chosen)
+
+    def _config_of(self, candidate: Candidate) -> dict[str, Any]:
+        request = self.request
+        return zero_auto_config(
+            candidate.option, request.user_config, candidate.tuning(request.tuning), request.nvme_path
+        )
+
+    def _resolved(self, config: dict[str, Any], module: pl.LightningModule) -> dict[str, Any]:
+        facts = collect_training_facts(module, self.world_size, self.precision_plugin.precision, config)
+        return resolve_config_with_notes(config, facts)[0]
+
+    def _trial_engine(self, config: dict[str, Any], model: torch.nn.Module, optimizer: Any) -> Any:
+        optimizer, _ = prepare_optimizer(optimizer, None, config)
+        engine, _, _ = initialize_engine(config, model, optimizer, None, self.root_device.index, self.local_rank)
+        return engine
 
     # ------------------------------------------------------------------ hooks
     @override

@@ -1,0 +1,22 @@
+"""``zero_auto``'s measured mode: among the ZeRO options the memory planner says fit, run a few real steps of each
+in the run's own processes, pick the fastest, and remember the decision (:mod:`.trials`, :mod:`.cache`,
+:mod:`.decision`)."""
+
+from lightspeed.core.zero.tuner.cache import DEFAULT_CACHE_PATH, TuningCache, TuningKey
+from lightspeed.core.zero.tuner.decision import TuneRequest, TuneResult, candidates_from_plan, tune
+from lightspeed.core.zero.tuner.trials import BUCKET_VARIANTS, Candidate, Trial, TrialSetup, format_trials
+
+__all__ = [
+    "BUCKET_VARIANTS",
+    "DEFAULT_CACHE_PATH",
+    "Candidate",
+    "Trial",
+    "TrialSetup",
+    "TuneRequest",
+    "TuneResult",
+    "TuningCache",
+    "TuningKey",
+    "candidates_from_plan",
+    "format_trials",
+    "tune",
+]

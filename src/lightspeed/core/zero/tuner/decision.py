@@ -1,0 +1,153 @@
+"""The tuner's decision: from the cache when it holds one for exactly this run, else measured and stored.
+
+Every rank reaches the same decision: rank 0 reads the cache and tells the others, the trials agree on their
+timings and failures, and the fastest measured candidate wins (ties go to the faster estimate, i.e. the planner's
+order).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightspeed.core.common.distributed import global_rank, is_distributed
+from lightspeed.core.errors import MemoryPlanError
+from lightspeed.core.zero.planner import Plan
+from lightspeed.core.zero.tuner.cache import CachedDecision, TuningCache, TuningKey
+from lightspeed.core.zero.tuner.trials import BUCKET_VARIANTS, Candidate, Trial, TrialSetup, format_trials, run_trials
+
+__all__ = ["TuneRequest", "TuneResult", "candidates_from_plan", "tune"]
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The chosen candidate, the trials that chose it (empty when the cache did), and whether the cache did."""
+
+    chosen: Candidate
+    trials: list[Trial]
+    from_cache: bool
+
+
+def candidates_from_plan(plan: Plan, allowed: Sequence[str] | None = None, buckets: bool = False) -> list[Candidate]:
+    """The options the plan says fit (restricted to the ``allowed`` names), fastest estimate first, each with
+    lightspeed's bucket sizes and, with ``buckets``, also DeepSpeed's; raises :class:`MemoryPlanError` when an
+    allowed name is unknown or none of them fits."""
+    names = [verdict.estimate.option.name for verdict in plan.verdicts]
+    if allowed is not None:
+        unknown = sorted(set(allowed) - set(names))
+        if unknown:
+            raise MemoryPlanError(
+                f"tune_options names {', '.join(unknown)}, which zero_auto does not know; "
+                f"choose from {', '.join(names)}."
+            )
+    fitting = [
+        verdict.estimate.option
+        for verdict in plan.verdicts
+        if verdict.fits and (allowed is None or verdict.estimate.option.name in allowed)
+    ]
+    if not fitting:
+        raise MemoryPlanError(
+            f"None of the options tune_options allows ({', '.join(allowed or [])}) fits this machine; the memory plan "
+            "above says which do. Allow one of them, or leave tune_options unset."
+        )
+    variants = list(BUCKET_VARIANTS) if buckets else ["auto"]
+    return [Candidate(option, variant) for option in fitting for variant in variants]
+
+
+def _agreed_cached(cache: TuningCache, key: TuningKey) -> tuple[CachedDecision | None, int]:
+    found: list[object] = [cache.lookup(key) if global_rank() == 0 else None]
+    if is_distributed():
+        torch.distributed.broadcast_object_list(found, src=0)
+    decision: CachedDecision | None
+    others: int
+    decision, others = found[0]  # type: ignore[misc]
+    return decision, others
+
+
+def tune(
+    candidates: Sequence[Candidate],
+    setup: TrialSetup,
+    key: TuningKey,
+    cache: TuningCache,
+    *,
+    retune: bool = False,
+    steps: int = 3,
+    warmup: int = 1,
+    info: Callable[[str], None],
+) -> TuneResult:
+    """The fastest of ``candidates``: the cached decision for ``key`` unless ``retune``, else measured (a collective:
+    every rank calls it), logged as a table through ``info`` and stored."""
+    by_name = {candidate.name: candidate for candidate in candidates}
+    if not retune:
+        cached, others = _agreed_cached(cache, key)
+        if cached is not None and cached.chosen in by_name:
+            info(
+                f"lightspeed zero_auto: {cached.chosen} from the tuning cache {str(cache.path)!r} (measured before for "
+                "this model, world size, precision and hardware); tune_retune=True measures again."
+            )
+            return TuneResult(by_name[cached.chosen], [], True)
+        if others:
+            info(
+                f"lightspeed zero_auto: the tuning cache {str(cache.path)!r} holds {others} decision(s) for other "
+                "models, world sizes, precisions or hardware and none for this run; they are not reused. Measuring."
+            )
+    trials = run_trials(candidates, setup, steps=steps, warmup=warmup)
+    measured = [trial for trial in trials if trial.samples_per_second is not None]
+    if not measured:
+        failures = "\n  ".join(f"{trial.candidate.name}: {trial.error}" for trial in trials)
+        raise MemoryPlanError(f"zero_auto could not train any candidate it tried:\n  {failures}")
+    best = max(measured, key=lambda trial: trial.samples_per_second or 0.0)  # max keeps the first of equals
+    measured_steps = f"{steps} step{'s' if steps != 1 else ''}"
+    info(f"lightspeed zero_auto: measured {measured_steps} of each candidate\n{format_trials(trials, best.candidate)}")
+    cache.store(
+        key,
+        best.candidate.name,
+        {trial.candidate.name: trial.samples_per_second for trial in trials},
+        writer=global_rank() == 0,
+    )
+    return TuneResult(best.candidate, trials, False)
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    """``zero_auto``'s tuning arguments, checked once: the same for the Trainer's and Fabric's strategy."""
+
+    tune: bool = False
+    steps: int = 3
+    options: tuple[str, ...] | None = None
+    buckets: bool = False
+    cache_path: str | None = None
+    retune: bool = False
+
+    @classmethod
+    def checked(
+        cls,
+        tune: bool,
+        steps: int,
+        options: Sequence[str] | None,
+        buckets: bool,
+        cache: str | os.PathLike[str] | None,
+        retune: bool,
+    ) -> TuneRequest:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"tune_steps is the number of measured steps per candidate, at least 1; got {steps!r}.")
+        if isinstance(options, str):
+            raise TypeError(f"tune_options is a list of option names, e.g. [{options!r}]; got the string {options!r}.")
+        return cls(
+            bool(tune),
+            steps,
+            tuple(options) if options is not None else None,
+            bool(buckets),
+            str(cache) if cache is not None else None,
+            bool(retune),
+        )
+
+    def run(
+        self, candidates: Sequence[Candidate], setup: TrialSetup, key: TuningKey, *, info: Callable[[str], None]
+    ) -> TuneResult:
+        """:func:`tune` with these arguments."""
+        cache = TuningCache(self.cache_path)
+        return tune(candidates, setup, key, cache, retune=self.retune, steps=self.steps, info=info)

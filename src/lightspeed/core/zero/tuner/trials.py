@@ -1,0 +1,213 @@
+"""Measure the ZeRO options that fit: a few real training steps of each, in the processes of the run.
+
+Each candidate (a ZeRO option and a bucket-size variant) trains a fresh copy of the model and its optimizer for
+``warmup + steps`` steps on the run's own first batches, through a DeepSpeed engine built with the candidate's
+resolved config; the measured steps give samples/s (the slowest rank's time, so every rank agrees) and the peak
+memory. The run itself is untouched: the copies are dropped, and the random number generators are restored
+afterwards, so the tuned run trains exactly as an untuned run with the chosen config would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from lightspeed.core.common.batch import count_samples
+from lightspeed.core.common.sizes import format_size
+from lightspeed.core.zero.config import ZeroTuning
+from lightspeed.core.zero.planner import ZeroOption
+
+__all__ = [
+    "BUCKET_VARIANTS",
+    "Candidate",
+    "Trial",
+    "TrialSetup",
+    "format_trials",
+    "preserved_random_state",
+    "run_trials",
+]
+
+#: bucket-size variants tried with ``tune_buckets=True``: lightspeed's sizes from the hidden size, DeepSpeed's own
+BUCKET_VARIANTS: dict[str, dict[str, Any]] = {
+    "auto": {},
+    "deepspeed": {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration to measure: a ZeRO option and a bucket-size variant."""
+
+    option: ZeroOption
+    buckets: str = "auto"
+
+    @property
+    def name(self) -> str:
+        return self.option.name if self.buckets == "auto" else f"{self.option.name}+{self.buckets}_buckets"
+
+    def tuning(self, base: ZeroTuning) -> ZeroTuning:
+        """``base`` with this candidate's bucket sizes."""
+        return dataclasses.replace(base, **BUCKET_VARIANTS[self.buckets])
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """What one candidate measured: samples/s (None when it failed), peak memory in bytes, or the error."""
+
+    candidate: Candidate
+    samples_per_second: float | None
+    peak_memory: int | None
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialSetup:
+    """What the front end provides for the trials.
+
+    ``copy_model``: a fresh copy of the model and its optimizer; ``config_for``: the resolved DeepSpeed config of a
+    candidate; ``build_engine``: ``(config, model, optimizer) -> engine``; ``loss``: ``(model, batch, index) ->
+    loss`` for one micro-batch; ``take_batches(n)``: the run's first ``n`` micro-batches on this rank (taken while the
+    random number generators are preserved, so a shuffling loader is not advanced); ``device``: the training device
+    (its peak memory is measured)."""
+
+    copy_model: Callable[[], tuple[torch.nn.Module, Any]]
+    config_for: Callable[[Candidate], dict[str, Any]]
+    build_engine: Callable[[dict[str, Any], torch.nn.Module, Any], Any]
+    loss: Callable[[torch.nn.Module, Any, int], torch.Tensor]
+    take_batches: Callable[[int], list[Any]]
+    device: torch.device
+
+
+@contextlib.contextmanager
+def preserved_random_state() -> Iterator[None]:
+    """Restore Python's, NumPy's, torch's and CUDA's random number generators after the block."""
+    python_state = random.getstate()
+    torch_state = torch.random.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        import numpy
+
+        numpy_state: Any = numpy.random.get_state()
+    except ImportError:
+        numpy_state = None
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        torch.random.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        if numpy_state is not None:
+            import numpy
+
+            numpy.random.set_state(numpy_state)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):  # Linux: "5" resets VmHWM, the peak resident set size, to the current one
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+
+
+def _peak(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _slowest(seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (a collective), so that every rank computes the same samples/s."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return seconds
+    value = torch.tensor([seconds], dtype=torch.float64)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return float(value.item())
+
+
+def _first_error(error: str | None) -> str | None:
+    """The error of the lowest rank that had one (a collective), so that every rank drops the same candidates."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return error
+    errors: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(errors, error)
+    return next((f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None), None)
+
+
+def _measure(candidate: Candidate, setup: TrialSetup, batches: list[Any], steps: int, warmup: int) -> Trial:
+    engine: Any = None
+    error: str | None = None
+    seconds = 0.0
+    peak: int | None = None
+    try:
+        model, optimizer = setup.copy_model()
+        engine = setup.build_engine(setup.config_for(candidate), model, optimizer)
+        _reset_peak(setup.device)
+        for index in range(warmup + steps):
+            if index == warmup:
+                if setup.device.type == "cuda":
+                    torch.cuda.synchronize(setup.device)
+                start = time.perf_counter()
+            batch = batches[index % len(batches)]
+            engine.backward(setup.loss(engine.module, batch, index))
+            engine.step()
+        if setup.device.type == "cuda":
+            torch.cuda.synchronize(setup.device)
+        seconds = time.perf_counter() - start
+        peak = _peak(setup.device)
+    except Exception as err:  # noqa: BLE001 - a candidate that cannot train is dropped; every rank learns why
+        error = f"{type(err).__name__}: {err}"
+    finally:
+        if engine is not None and hasattr(engine, "destroy"):
+            with contextlib.suppress(Exception):
+                engine.destroy()
+        engine = None
+        gc.collect()
+    error = _first_error(error)
+    if error is not None:
+        return Trial(candidate, None, None, error)
+    slowest = _slowest(seconds)
+    samples = sum(count_samples(batches[index % len(batches)]) or 1 for index in range(warmup, warmup + steps))
+    return Trial(candidate, samples / slowest if slowest > 0 else float("inf"), peak)
+
+
+def run_trials(candidates: Sequence[Candidate], setup: TrialSetup, *, steps: int = 3, warmup: int = 1) -> list[Trial]:
+    """Measure every candidate (a collective: every rank runs the same candidates in the same order); the random
+    number generators are as before afterwards."""
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"tune_steps must be >= 1 and the warm-up >= 0, got steps={steps}, warmup={warmup}.")
+    with preserved_random_state():
+        batches = setup.take_batches(warmup + steps)
+        if not batches:
+            raise ValueError("The tuner needs at least one training batch, but the training data yielded none.")
+        return [_measure(candidate, setup, batches, steps, warmup) for candidate in candidates]
+
+
+def format_trials(trials: Sequence[Trial], chosen: Candidate | None) -> str:
+    """The measured table: samples/s and peak memory per candidate, the chosen one marked."""
+    rows = [("candidate", "samples/s", "peak memory", "")]
+    for trial in trials:
+        speed = f"{trial.samples_per_second:.1f}" if trial.samples_per_second is not None else "failed"
+        peak = format_size(trial.peak_memory) if trial.peak_memory is not None else "-"
+        note = "<- chosen" if chosen is not None and trial.candidate == chosen else (trial.error or "")
+        rows.append((trial.candidate.name, speed, peak, note))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join(
+        "  ".join(cell.ljust(widths[i]) if i < 3 else cell for i, cell in enumerate(row)).rstrip() for row in rows
+    )

@@ -1,0 +1,40 @@
+"""``lightspeed tune``: one real launch on 2 CPU ranks measures the allowed options, prints the table and the choice,
+and writes the decision ``ZeroAutoStrategy(tune=True)`` reads; a factory that returns no job is exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from _support.launch import REPO_ROOT, child_env
+from lightspeed.cli.main import main
+
+COMMAND = [sys.executable, "-m", "lightspeed.cli.main", "tune", "cli.scripts.tune_job:job"]
+
+
+def test_tune_measures_prints_and_caches_the_fastest_option(tmp_path: Path) -> None:
+    cache = tmp_path / "cache.json"
+    args = ["--devices", "2", "--accelerator", "cpu", "--steps", "1", "--options", "zero1,zero2", "--cache", str(cache)]
+    proc = subprocess.run(
+        [*COMMAND, *args], cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300, check=False
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    table = output.split("lightspeed zero_auto: measured 1 step of each candidate\n", 1)[1].splitlines()[1:3]
+    speeds = {row.split()[0]: float(row.split()[1]) for row in table}
+    assert set(speeds) == {"zero1", "zero2"}
+    fastest = max(speeds, key=lambda name: speeds[name])
+    assert f"lightspeed tune: {fastest} (decision in {cache})" in proc.stdout
+    (entry,) = json.loads(cache.read_text())["entries"].values()
+    assert entry["chosen"] == fastest and entry["key"]["world_size"] == 2 and entry["key"]["micro_batch"] == 4
+
+
+def test_a_factory_that_returns_no_job_is_a_usage_error(capsys, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "tests"))
+    assert main(["tune", "cli.scripts.tune_job:not_a_job"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "lightspeed tune: error: cli.scripts.tune_job:not_a_job returned RegressionModule; it must return "
+        "(LightningModule, DataLoader or DataModule)."
+    )
