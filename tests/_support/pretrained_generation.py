@@ -66,6 +66,8 @@ def check_generation(facts: list[dict[str, Any]], expected: list[list[int]], key
     for rank, rank_facts in enumerate(facts):
         for key in keys:
             assert rank_facts[key] == expected[rank], f"rank {rank} {key}"
+        gathered = rank_facts["gathered"]  # gathered once for the whole generation: same tokens, partitioned after
+        assert gathered == {"tokens": expected[rank], "gathered": True, "partitioned_after": True}
         assert rank_facts["synced_gpus_false"] == {
             "type": "ValueError",
             "message": SYNCED_GPUS_FALSE_ERROR.format(world=2),

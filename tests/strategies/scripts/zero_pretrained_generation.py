@@ -10,7 +10,8 @@ OUT/pretrained holds the pretrained model (sharded safetensors with an index; th
 ``write_pretrained``), OUT/plain and OUT/plain_bad the plain module's weights (``write_plain``).
 Rank 0 writes OUT/<front_end>.json: per rank the generated tokens (validation and predict), whether the weights were
 partitioned when built, the largest number of parameter elements the rank held, and whether the gathered weights equal
-the files (HF model and plain module); the errors of ``generate(synced_gpus=False)`` and of loading the bad directory.
+the files (HF model and plain module), the tokens generated inside ``lightspeed.gathered_for_generation``; the errors
+of ``generate(synced_gpus=False)`` and of loading the bad directory.
 """
 
 from __future__ import annotations
@@ -115,6 +116,17 @@ def generate(model: Any, rank: int, **kwargs: Any) -> list[int]:
     return out[0].tolist()
 
 
+def generate_gathered(model: Any, rank: int, enabled: bool | str) -> dict[str, Any]:
+    """Generation inside ``lightspeed.gathered_for_generation``; the parameters are partitioned again afterwards."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    module = getattr(model, "module", model)
+    with lightspeed.gathered_for_generation(module, enabled=enabled) as gathered:
+        tokens = generate(model, rank)
+    released = all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in module.parameters())
+    return {"tokens": tokens, "gathered": gathered, "partitioned_after": released}
+
+
 def error_of(fn: Any) -> dict[str, Any]:
     try:
         fn()
@@ -143,6 +155,7 @@ class GeneratingModule(L.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.facts["validation"] = generate(self.model, self.global_rank)
+        self.facts["gathered"] = generate_gathered(self.model, self.global_rank, "auto")
 
     def predict_step(self, batch: Any, batch_idx: int) -> list[int]:
         self.facts["predict"] = generate(self.model, self.global_rank)
@@ -182,6 +195,7 @@ def run_fabric(path: Path) -> dict[str, Any]:
     model = fabric.setup_module(model)  # inference only: no optimizer
     model.mark_forward_method("generate")
     facts["validation"] = generate(model, fabric.global_rank)
+    facts["gathered"] = generate_gathered(model, fabric.global_rank, True)
     facts["synced_gpus_false"] = error_of(lambda: generate(model, fabric.global_rank, synced_gpus=False))
     return facts
 

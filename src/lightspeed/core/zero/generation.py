@@ -6,21 +6,30 @@ number of forward passes. Autoregressive generation breaks that as soon as the r
 forever. HuggingFace's ``generate`` keeps going with dummy forward passes until every rank is done when it is called
 with ``synced_gpus=True``, which users have to know to pass. :func:`keep_generation_in_step` makes it the default for
 every ``generate`` method of a model's modules while their parameters are partitioned over several processes, and
-refuses ``synced_gpus=False`` there.
+refuses ``synced_gpus=False`` there. :func:`gathered_for_generation` gathers the parameters once for a whole
+generation instead of once per token, when memory allows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import os
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["SYNCED_GPUS_FALSE_ERROR", "keep_generation_in_step", "partitioned_over_ranks"]
+__all__ = [
+    "GATHER_MEMORY_SHARE",
+    "SYNCED_GPUS_FALSE_ERROR",
+    "gathered_for_generation",
+    "keep_generation_in_step",
+    "partitioned_over_ranks",
+]
 
 SYNCED_GPUS_FALSE_ERROR = (
     "`generate(synced_gpus=False)` on a model partitioned by ZeRO-3 over {world} processes: every forward pass gathers "
@@ -76,3 +85,57 @@ def keep_generation_in_step(model: nn.Module) -> list[str]:
         module.generate = _in_step(module, generate)
         changed.append(name)
     return changed
+
+
+#: an id no DeepSpeed module has, held in every parameter's active-module set while gathered for generation, so that
+#: DeepSpeed's post-forward release (which waits for that set to be empty) leaves the parameter whole
+_GENERATION_HOLD = -20_251_125
+
+#: the share of free memory the whole model may take for ``enabled="auto"`` to gather it
+GATHER_MEMORY_SHARE = 0.5
+
+
+def _fits_whole(params: list[torch.nn.Parameter], device: torch.device) -> bool:
+    """Whether the whole model takes at most :data:`GATHER_MEMORY_SHARE` of this rank's free memory, agreed over all
+    ranks (a collective: every rank answers the same)."""
+    whole = sum(p.ds_numel * p.element_size() for p in params)  # type: ignore[attr-defined]
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        free = psutil.virtual_memory().available // max(1, local_ranks)
+    verdict = torch.tensor([1 if whole <= GATHER_MEMORY_SHARE * free else 0], device=device)
+    torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
+    return bool(verdict.item())
+
+
+@contextlib.contextmanager
+def gathered_for_generation(model: nn.Module, enabled: bool | str = "auto") -> Iterator[bool]:
+    """Within the block, ``model``'s ZeRO-3 parameters are gathered once and stay whole, so generation does not gather
+    them again for every token (a collective: every rank enters it). Yields whether it gathered: ``enabled="auto"``
+    gathers when the whole model takes at most half of every rank's free memory, ``True`` always, ``False`` never; a
+    model that is not partitioned over several ranks is left as it is. Generation inside still passes
+    ``synced_gpus=True`` (cheap: one flag per token), so ranks that stop at different steps stay in step."""
+    if enabled not in (True, False, "auto"):
+        raise ValueError(f'gathered_for_generation(enabled=...) takes True, False or "auto"; got {enabled!r}.')
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not enabled or not partitioned_over_ranks(model):
+        yield False
+        return
+    device = next((p.ds_tensor.device for p in params if hasattr(p, "ds_tensor")), torch.device("cpu"))
+    device = device if device.type == "cuda" else torch.device("cpu")
+    if enabled == "auto" and not _fits_whole(params, device):
+        yield False
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        for param in params:
+            param.ds_active_sub_modules.add(_GENERATION_HOLD)  # type: ignore[attr-defined]
+        try:
+            yield True
+        finally:
+            for param in params:
+                param.ds_active_sub_modules.discard(_GENERATION_HOLD)  # type: ignore[attr-defined]

@@ -25,25 +25,33 @@ __all__ = ["load_pretrained"]
 
 
 class _SafetensorsFiles:
-    """Open safetensors files of one directory, each opened once, read one tensor at a time."""
+    """The safetensors files of one directory, read one tensor at a time. Each read opens its file and closes it
+    again, so the file's pages are not kept mapped into the process (they would count as its resident memory)."""
 
     def __init__(self, weight_map: dict[str, Path]) -> None:
         self.weight_map = weight_map
-        self._handles: dict[Path, object] = {}
-
-    def _handle(self, file: Path) -> object:
-        if file not in self._handles:
-            from safetensors import safe_open
-
-            self._handles[file] = safe_open(str(file), framework="pt")
-        return self._handles[file]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape, from the files' headers (no tensor data is read)."""
-        return {key: tuple(self._handle(file).get_slice(key).get_shape()) for key, file in self.weight_map.items()}  # type: ignore[attr-defined]
+        from safetensors import safe_open
+
+        shapes: dict[str, tuple[int, ...]] = {}
+        for file in sorted(set(self.weight_map.values())):
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    if self.weight_map.get(key) == file:
+                        shapes[key] = tuple(handle.get_slice(key).get_shape())
+        missing = sorted(set(self.weight_map) - set(shapes))
+        for key in missing:  # an alias of a tied tensor (lightspeed exports) or a key the index names wrongly
+            with safe_open(str(self.weight_map[key]), framework="pt") as handle:
+                shapes[key] = tuple(handle.get_slice(key).get_shape())
+        return shapes
 
     def read(self, key: str) -> torch.Tensor:
-        return self._handle(self.weight_map[key]).get_tensor(key)  # type: ignore[attr-defined]
+        from safetensors import safe_open
+
+        with safe_open(str(self.weight_map[key]), framework="pt") as handle:
+            return handle.get_tensor(key)  # safetensors copies the bytes out of the mapping
 
 
 def _files_of(path: Path) -> _SafetensorsFiles:
