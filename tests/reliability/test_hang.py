@@ -64,3 +64,29 @@ def test_a_run_whose_heartbeat_never_pauses_still_exits_0() -> None:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "terminate called" not in output, output[-3000:]
     assert all(f"rank {rank} done" in proc.stdout for rank in (0, 1)), output[-3000:]
+
+
+def test_a_collective_of_ones_own_on_one_rank_in_predict_step_under_zero3_is_a_named_error_on_both_ranks(
+    tmp_path: Path,
+) -> None:
+    """Generation and evaluation under ZeRO-3 keep the ranks in step, but a user's own collective on one rank only
+    still cannot complete: each rank fails within ``timeout=`` naming the collective it waited in, never a silent
+    hang."""
+    proc = run_torchrun(
+        REPO_ROOT / "tests" / "reliability" / "scripts" / "hang.py",
+        2,
+        [tmp_path, "predict_zero3", TIMEOUT_S],
+        check=False,
+        timeout=400,
+    )
+    assert proc.returncode != 0 and not list(tmp_path.glob("finished*.txt"))
+    rank0 = (tmp_path / "rank0_error.txt").read_text()
+    assert rank0.startswith(
+        f"CollectiveTimeoutError: Rank 0 waited {TIMEOUT_S}s (the strategy's `timeout=`) in "
+        "`torch.distributed.all_reduce`: every other rank is still running, so some rank is waiting elsewhere (not in "
+        "this collective)."
+    ), rank0
+    rank1 = (tmp_path / "rank1_error.txt").read_text()
+    assert re.match(rf"CollectiveTimeoutError: Rank 1 waited {TIMEOUT_S}s .* in `torch\.distributed\.\w+`", rank1), (
+        rank1
+    )

@@ -1,5 +1,7 @@
 """Worker for the hang test (torchrun, 2 ranks): rank 1 stops itself (SIGSTOP) at batch 3; rank 0 must fail within
 the strategy's ``timeout=`` with an error naming the collective and rank 1, written to OUT/rank0_error.txt.
+STRATEGY ``predict_zero3``: no rank stops, but under ZeRO-3 ``predict_step`` calls a collective of its own on rank 0
+only (at batch 1); the rank that waits fails with its error in OUT/rank<r>_error.txt.
 
 usage: hang.py OUT STRATEGY TIMEOUT_S
 """
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
@@ -32,8 +35,31 @@ class StopRankOne(Callback):
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
+class OneRankCollective(RegressionModule):
+    """A user's own collective in ``predict_step``, on rank 0 only: the other rank never joins it."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_rank == 0 and batch_idx == 1:
+            torch.distributed.all_reduce(torch.ones(1))
+        return super().predict_step(batch, batch_idx)
+
+
+def predict_with_one_rank_collective(out: Path, timeout: timedelta) -> None:
+    strategy = lightspeed.strategies.ZeroStrategy(stage=3, timeout=timeout)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    try:
+        trainer.predict(OneRankCollective(), DataLoader(make_regression_data(32), batch_size=4))
+    except BaseException as err:
+        (out / f"rank{trainer.global_rank}_error.txt").write_text(f"{type(err).__name__}: {err}")
+        raise
+    (out / f"finished{trainer.global_rank}.txt").write_text("no error")
+
+
 def main(out: Path, name: str, timeout_s: float) -> None:
     timeout = timedelta(seconds=timeout_s)
+    if name == "predict_zero3":
+        predict_with_one_rank_collective(out, timeout)
+        return
     if name == "ddp_exact":
         strategy: Any = lightspeed.strategies.DDPExactStrategy(timeout=timeout)
     else:
