@@ -55,6 +55,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Path:
         + [f"full:{n}" for n in FULL_NAMES]
         + [f"config_opt:{n}" for n in CONFIG_OPTIMIZER_NAMES]
         + [f"torch_sched:{n}" for n in CONFIG_OPTIMIZER_NAMES]
+        + ["tune:zero_auto"]
         + ["errors:zero2", "errors:zero3"]
     )
     run_torchrun(SCRIPTS / "fabric_cases.py", WORLD, [out, ",".join(specs)], timeout=600)
@@ -260,6 +261,30 @@ def test_a_torch_scheduler_built_on_the_returned_optimizer_trains_like_torch_by_
     for key, value in net.state_dict().items():
         diff = (weights[key] - value).abs().max().item()
         assert diff <= 1e-5, f"{name} {key}: differs from the single-process reference by {diff:.3e}"
+
+
+def test_zero_auto_tuning_measures_picks_the_fastest_and_trains_like_the_untuned_choice(cases: Path) -> None:
+    """``ZeroAutoFabricStrategy(tune=True, tune_batches=..., tune_loss=...)``: zero1 and zero2 measured at
+    ``fabric.setup``, the fastest trains, bit for bit as the same option without tuning."""
+    meta, weights = _meta(cases, "tune_zero_auto"), torch.load(cases / "tune_zero_auto.pt")
+    (table,) = meta["logs"]
+    rows = table.splitlines()[2:]
+    speeds = {row.split()[0]: float(row.split()[1]) for row in rows}
+    assert set(speeds) == {"zero1", "zero2"} and meta["chosen"] == max(speeds, key=lambda n: speeds[n])
+    tuned = {k.removeprefix("tuned."): v for k, v in weights.items() if k.startswith("tuned.")}
+    fixed = {k.removeprefix("fixed."): v for k, v in weights.items() if k.startswith("fixed.")}
+    assert tuned.keys() == fixed.keys() and all(torch.equal(tuned[k], fixed[k]) for k in tuned)
+    assert (tuned["0.weight"] - make_net().state_dict()["0.weight"]).abs().max() > 1e-3
+
+
+def test_zero_auto_tuning_under_fabric_needs_the_batches_and_the_loss() -> None:
+    with pytest.raises(TypeError) as caught:
+        lightspeed.fabric.ZeroAutoFabricStrategy(tune=True)
+    assert str(caught.value) == (
+        "ZeroAutoFabricStrategy(tune=True) measures training steps, but Fabric's strategy does not see the loop: pass "
+        "tune_batches= (this rank's training DataLoader) and tune_loss= (a function (model, batch) -> loss, as the "
+        "loop computes it)."
+    )
 
 
 # --------------------------------------------------------------------------------------------- checkpoints

@@ -18,18 +18,22 @@ Lightning Fabric's ``DeepSpeedStrategy`` with lightspeed's ZeRO core, the same t
   (``StepLR(optimizer)``) set the learning rate the ZeRO step uses;
 * HuggingFace models: ``from_pretrained`` under ``fabric.init_module()`` loads into ZeRO-3 partitions, and ``generate``
   keeps the ranks in step (:mod:`lightspeed.fabric.zero_models`);
-* one optimizer, clipping by norm only, and unknown keywords are errors that say what to change.
+* one optimizer, clipping by norm only, and unknown keywords are errors that say what to change;
+* ``compile=True``, or a model compiled with ``torch.compile`` before ``fabric.setup`` (which Fabric would otherwise
+  re-apply around the whole engine), compiles through DeepSpeed's own ``engine.compile()``
+  (see :mod:`lightspeed.core.zero.compile`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -39,7 +43,10 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.wrappers import _FabricModule
+from torch._dynamo import OptimizedModule
 from torch.nn import Module
+from torch.nn.modules.module import register_module_module_registration_hook
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -53,6 +60,15 @@ from lightspeed.core.zero.accumulation import (
     clip_norm_at_step,
     scale_deepspeed_gradients_at_step,
     set_deepspeed_boundary,
+)
+from lightspeed.core.zero.compile import (
+    CompileRequest,
+    check_compile_supported,
+    check_zero3_module_compiles,
+    compile_engine,
+    compile_request,
+    prepare_zero3_for_compile,
+    request_from_kwargs,
 )
 from lightspeed.core.zero.config import (
     AUTO,
@@ -81,6 +97,7 @@ from lightspeed.strategies.launchers import check_world_matches
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
+    from torch.utils.hooks import RemovableHandle
 
 __all__ = ["ConfigOptimizer", "ZeroFabricStrategy", "config_optimizer", "unknown_keywords_error"]
 
@@ -161,8 +178,15 @@ def unknown_keywords_error(cls_name: str, keywords: dict[str, Any]) -> TypeError
         "reduce_bucket_size, allgather_bucket_size, prefetch_bucket_size, param_persistence_threshold, "
         "sub_group_size, config, accelerator, parallel_devices, cluster_environment, precision, "
         "process_group_backend, timeout, logging_level, exclude_frozen_parameters, load_full_weights, "
-        "node_local_storage."
+        "node_local_storage, compile, compile_kwargs."
     )
+
+
+_ZERO3_LATE_COMPILE = (
+    "Hand `fabric.setup` the model uncompiled, with `ZeroFabricStrategy(stage=3, ..., compile=True)` (lightspeed marks "
+    "them before building the engine), or mark them yourself before `fabric.setup`: "
+    "`deepspeed.utils.set_z3_leaf_modules(model, [torch.nn.MultiheadAttention])`."
+)
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
@@ -204,6 +228,11 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
         load_full_weights: ``fabric.load`` reads a single consolidated weights file under ZeRO-3.
         node_local_storage: for clusters whose nodes share no filesystem: each node writes its own ranks' shards (and
             the files every node needs) into its own local checkpoint directory (as the Trainer's).
+        compile: compile the model with DeepSpeed's ``engine.compile()`` at ``fabric.setup``. A model compiled with
+            ``torch.compile`` before ``fabric.setup`` is compiled the same way, with its ``torch.compile``
+            arguments, instead of Fabric compiling the whole engine.
+        compile_kwargs: ``torch.compile`` arguments for ``engine.compile()``; given alone, it asks for compilation
+            too.
         Other arguments: Fabric's (set by Fabric itself when the strategy is chosen by name).
     """
 
@@ -232,6 +261,8 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
         exclude_frozen_parameters: bool = False,
         load_full_weights: bool = False,
         node_local_storage: bool = False,
+        compile: bool = False,
+        compile_kwargs: dict[str, Any] | None = None,
         **unsupported: Any,
     ) -> None:
         if unsupported:
@@ -264,13 +295,24 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
             exclude_frozen_parameters=exclude_frozen_parameters,
             load_full_weights=load_full_weights,
             node_local_storage=node_local_storage,
+            compile=compile,
+            compile_kwargs=compile_kwargs,
         )
 
     def _init_lightning(
-        self, recipe: dict[str, Any], *, node_local_storage: bool = False, **strategy_kwargs: Any
+        self,
+        recipe: dict[str, Any],
+        *,
+        node_local_storage: bool = False,
+        compile: bool = False,
+        compile_kwargs: dict[str, Any] | None = None,
+        **strategy_kwargs: Any,
     ) -> None:
         """Lightning Fabric's ``DeepSpeedStrategy`` set-up around an already built config (``"auto"`` values kept
         until the process group exists)."""
+        self._compile_request = compile_request(compile, compile_kwargs, type(self).__name__)
+        self._compiled_with: CompileRequest | None = None  # what the last engine was compiled with
+        self._compile_hook: RemovableHandle | None = None  # catches Fabric re-applying torch.compile, see below
         if node_local_storage:
             recipe.setdefault("checkpoint", {})["use_node_local_storage"] = True
         super().__init__(config=recipe, **strategy_kwargs)
@@ -299,6 +341,8 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
         # Runs in Fabric.__init__, before launching: checks that must fail early, environment the ranks inherit.
         kind = self._device_kind()
         check_precision_supported(kind, self.precision.precision)
+        if self._compile_request is not None:
+            check_compile_supported(self._compile_request, self.config, kind)
         export_deepspeed_accelerator(kind)
         check_world_matches(self.cluster_environment, self.num_nodes, self.num_processes, front_end="Fabric")
         super()._configure_launcher()
@@ -334,15 +378,95 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
 
     @override
     def teardown(self) -> None:
+        self._drop_compile_hook()
         try:
             super().teardown()
         finally:
             _third_party_warnings.uninstall()
 
+    # ------------------------------------------------------------------ torch.compile
+    @property
+    def compile_request(self) -> CompileRequest | None:
+        """What ``engine.compile()`` was called with at the last ``fabric.setup`` (the strategy's arguments, or those
+        of a model compiled with ``torch.compile``), else what it will be called with (None: not compiled)."""
+        return self._compiled_with or self._compile_request
+
+    def _prepare_compile(self, module: Module) -> None:
+        """Before the engine is built, under ``compile=True``: refuse what DeepSpeed cannot compile, mark ZeRO-3 leaf
+        modules."""
+        if self._compile_request is None:
+            return
+        check_compile_supported(self._compile_request, self.config, self._device_kind())
+        marked = prepare_zero3_for_compile(module, self.config)
+        if marked:
+            rank_zero_info(
+                f"lightspeed: ZeRO-3 leaf modules for the compiled forward (all their parameters gathered on entry): "
+                f"{', '.join(marked)}"
+            )
+
+    def _compile(self, engine: DeepSpeedEngine, request: CompileRequest) -> None:
+        rank_zero_info(f"lightspeed: {request.source} runs as DeepSpeed's {request.describe()}")
+        compile_engine(engine, request)
+        self._compiled_with = request
+
+    def _compile_set_up(self, engine: DeepSpeedEngine) -> None:
+        """Compile the new engine as the strategy's arguments ask, and catch Fabric re-applying ``torch.compile``
+        to it.
+
+        ``fabric.setup`` unwraps a model compiled with ``torch.compile`` before handing it to the strategy, then
+        compiles what the strategy returned (``torch.compile(engine, **kwargs)``: DeepSpeed's whole forward, hooks
+        included) and wraps that in its ``_FabricModule``, all after this strategy returns. A one-shot module
+        registration hook sees the ``_FabricModule`` take the compiled engine, compiles the engine with
+        ``engine.compile()`` and the same ``torch.compile`` arguments instead (the strategy's own, when it has
+        them), and hands Fabric the engine itself.
+        """
+        if self._compile_request is not None:
+            self._compile(engine, self._compile_request)
+        self._drop_compile_hook()
+        armed = True
+        strategy, set_up = weakref.ref(self), weakref.ref(engine)  # an armed hook keeps neither alive
+
+        def take_over_fabric_compile(parent: Module, name: str, submodule: Module | None) -> Module | None:
+            nonlocal armed
+            if not armed or name != "_forward_module" or not isinstance(parent, _FabricModule):
+                return None
+            armed = False  # the first _FabricModule after this setup; the hook itself goes at the next step
+            engine, owner = set_up(), strategy()
+            if engine is None or owner is None:
+                return None
+            if not (isinstance(submodule, OptimizedModule) and submodule._orig_mod is engine):
+                return None
+            # (Lightning's torch.compile records its arguments as `_compile_kwargs` on the module it compiled, i.e.
+            # on the engine, where DeepSpeed keeps those of engine.compile(): read them, then compile over them)
+            request = request_from_kwargs(getattr(submodule, "_compile_kwargs", None), "torch.compile(model)")
+            if engine.is_compiled and owner._compiled_with is not None:  # compiled by the strategy's arguments
+                cast(Any, engine)._compile_kwargs = dict(owner._compiled_with.kwargs)
+                return engine
+            check_compile_supported(request, owner.config, owner._device_kind())
+            wrapped = engine.module
+            assert isinstance(wrapped, Module)
+            check_zero3_module_compiles(request, wrapped, owner.config, instead=_ZERO3_LATE_COMPILE)
+            owner._compile(engine, request)
+            return engine
+
+        # (a hook cannot remove itself: torch is iterating over the hooks while it runs). torch types the hook as
+        # returning None, but uses a returned module in place of the one assigned
+        self._compile_hook = register_module_module_registration_hook(take_over_fabric_compile)  # type: ignore[arg-type]
+
+    def _drop_compile_hook(self) -> None:
+        if self._compile_hook is not None:
+            self._compile_hook.remove()
+            self._compile_hook = None
+
     # ------------------------------------------------------------------ config resolution
     def _resolve(self, module: Module | None) -> list[str]:
         """Resolve the recipe's ``"auto"`` values from Fabric's settings (and the model's hidden size when
         ``module`` is given) into ``self.config``; returns the notes to log."""
+        self.config, notes = self._resolved(self._recipe, module)
+        return notes
+
+    def _resolved(self, recipe: dict[str, Any], module: Module | None) -> tuple[dict[str, Any], list[str]]:
+        """``recipe`` with its ``"auto"`` values resolved from Fabric's settings and ``module``, and the notes."""
         accumulation = self.accumulation_steps_in_config or 1
         facts = TrainingFacts(
             world_size=self.world_size,
@@ -353,9 +477,7 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
             hidden_size=find_hidden_size(module) if module is not None else None,
             front_end="Fabric",
         )
-        resolved, notes = resolve_config_with_notes(self._recipe, facts)
-        self.config = resolved
-        return notes
+        return resolve_config_with_notes(recipe, facts)
 
     @override
     def _format_config(self) -> None:
@@ -417,6 +539,7 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
             optimizer, message = prepare_optimizer(optimizers[0], scheduler, self.config)
             if message is not None:
                 rank_zero_info(message)
+        self._prepare_compile(module)
         engine, deepspeed_optimizer, deepspeed_scheduler = self._initialize_engine(module, optimizer, scheduler)
         if optimizer is None and scheduler is None:
             # the config's scheduler: stepped with every optimizer step, as engine.step() would; not handed to Fabric,
@@ -425,15 +548,18 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
         self._deepspeed_engine = self._with_named_hangs(engine)
         self._set_deepspeed_activation_checkpointing()
         keep_generation_in_step(module)
+        self._compile_set_up(engine)
         # torch schedulers built on the returned optimizer (`StepLR(optimizer)`) need a torch.optim.Optimizer
         return engine, [make_schedulable(deepspeed_optimizer)], deepspeed_scheduler
 
     @override
     def setup_module(self, module: Module) -> DeepSpeedEngine:
         self._final_config(module)
+        self._prepare_compile(module)
         engine, _, _ = self._initialize_engine(module)
         self._deepspeed_engine = self._with_named_hangs(engine)
         keep_generation_in_step(module)
+        self._compile_set_up(engine)
         return self._deepspeed_engine
 
     @override
@@ -496,6 +622,7 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        self._drop_compile_hook()  # fabric.setup is over
         try:
             result = super().optimizer_step(optimizer, **kwargs)
         finally:

@@ -4,11 +4,15 @@ this machine's memory (the Trainer's is :mod:`lightspeed.strategies.zero_auto`; 
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -17,7 +21,15 @@ from typing_extensions import override
 from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.engine import one_optimizer_error
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
-from lightspeed.fabric.zero import ZeroFabricStrategy, unknown_keywords_error
+from lightspeed.core.zero.tuner import (
+    TrialSetup,
+    TuneRequest,
+    TuningKey,
+    candidates_from_plan,
+    copy_module_and_optimizer,
+    deepspeed_engine_builder,
+)
+from lightspeed.fabric.zero import ConfigOptimizer, ZeroFabricStrategy, unknown_keywords_error
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -38,6 +50,8 @@ _FABRIC_STRATEGY_ARGUMENTS = frozenset(
         "exclude_frozen_parameters",
         "load_full_weights",
         "node_local_storage",
+        "compile",
+        "compile_kwargs",
     }
 )
 
@@ -47,7 +61,13 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
     this machine's memory (the smallest budgets over all ranks), logged as a table.
 
     Under ``fabric.init_module()`` the model is built in full (the choice needs it); ``deepspeed.initialize`` then
-    partitions it if ZeRO-3 is chosen. Arguments as the Trainer's :class:`~lightspeed.strategies.ZeroAutoStrategy`.
+    partitions it if ZeRO-3 is chosen. Arguments as the Trainer's :class:`~lightspeed.strategies.ZeroAutoStrategy`;
+    ``tune=True`` (measure the options that fit at ``fabric.setup``) also needs what the Trainer knows from its loop:
+
+    Args:
+        tune_batches: this rank's training micro-batches (e.g. the ``DataLoader`` of the loop, before
+            ``fabric.setup_dataloaders``); the first few are used, moved to the device.
+        tune_loss: ``(model, batch) -> loss`` for one micro-batch, as the loop computes it.
     """
 
     def __init__(
@@ -58,8 +78,24 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         nvme_path: str | None = None,
         optimizer_state_bytes: int = 8,
         config: str | os.PathLike | dict[str, Any] | None = None,
+        tune: bool = False,
+        tune_steps: int = 3,
+        tune_options: Sequence[str] | None = None,
+        tune_buckets: bool = False,
+        tune_cache: str | os.PathLike | None = None,
+        retune: bool = False,
+        tune_batches: Iterable[Any] | None = None,
+        tune_loss: Callable[[Module, Any], torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> None:
+        self.tune_request = TuneRequest.checked(tune, tune_steps, tune_options, tune_buckets, tune_cache, retune)
+        if tune and (tune_batches is None or tune_loss is None):
+            raise TypeError(
+                "ZeroAutoFabricStrategy(tune=True) measures training steps, but Fabric's strategy does not see the "
+                "loop: pass tune_batches= (this rank's training DataLoader) and tune_loss= (a function (model, batch) "
+                "-> loss, as the loop computes it)."
+            )
+        self._tune_batches, self._tune_loss = tune_batches, tune_loss
         self.request = ZeroAutoRequest.from_arguments(
             safety_margin=safety_margin,
             device_memory=device_memory,
@@ -93,6 +129,33 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         self.chosen_option = decision.option
         return decision.option
 
+    def _tune(self, module: Module, optimizer: Any) -> None:
+        """Measure the candidates that fit (copies of ``module`` and ``optimizer``) and configure this strategy as
+        the fastest."""
+        assert self.memory_plan is not None and self._tune_batches is not None and self._tune_loss is not None
+        candidates = candidates_from_plan(self.memory_plan, self.tune_request.options, self.tune_request.buckets)
+        batches, loss = self._tune_batches, self._tune_loss
+        setup = TrialSetup(
+            copy_model=lambda: copy_module_and_optimizer(module, optimizer),
+            config_for=lambda candidate: self._resolved(candidate.config(self.request), module)[0],
+            build_engine=deepspeed_engine_builder(self.root_device.index, self.local_rank),
+            loss=lambda model, batch, index: loss(model, move_data_to_device(batch, self.root_device)),
+            take_batches=lambda n: list(itertools.islice(iter(batches), n)),
+            device=self.root_device,
+        )
+        key = TuningKey.of(
+            module,
+            world_size=self.world_size,
+            precision=str(self.precision.precision),
+            device=self.root_device,
+            candidates=[candidate.name for candidate in candidates],
+            micro_batch=getattr(batches, "batch_size", None),
+        )
+        result = self.tune_request.run(candidates, setup, key, info=rank_zero_info)
+        self.chosen_option = result.chosen.option
+        self._recipe = result.chosen.config(self.request)
+        self.config = self._recipe
+
     @override
     def _format_config(self) -> None:
         if self.chosen_option is not None:
@@ -114,10 +177,18 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
             raise one_optimizer_error(f"{len(optimizers)} optimizers", "`fabric.setup` got")
         if self.chosen_option is None:
             self.choose(module)
+            if self.tune_request.tune:
+                optimizer = None if isinstance(optimizers[0], ConfigOptimizer) else optimizers[0]
+                self._tune(module, optimizer)
         return super().setup_module_and_optimizers(module, optimizers, scheduler)
 
     @override
     def setup_module(self, module: Module) -> DeepSpeedEngine:
         if self.chosen_option is None:
             self.choose(module)
+            if self.tune_request.tune:
+                rank_zero_info(
+                    "lightspeed zero_auto: tune=True measures training steps; `fabric.setup` without an optimizer "
+                    "does not train, so the planner's choice is used."
+                )
         return super().setup_module(module)

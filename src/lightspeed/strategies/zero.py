@@ -12,7 +12,9 @@ Built on Lightning's ``DeepSpeedStrategy`` (launchers, engine wiring, checkpoint
   any stage and world size into the (partitioned) inference model itself, tensor by tensor;
 * checkpoints are written to a staging directory and committed only after every rank finished;
 * the process group lightspeed created is destroyed when the interpreter exits (never mid-teardown), and known
-  third-party deprecation floods are filtered while the strategy runs.
+  third-party deprecation floods are filtered while the strategy runs;
+* ``compile=True`` (or a LightningModule compiled with ``torch.compile``, which Lightning refuses under DeepSpeed)
+  compiles through DeepSpeed's own ``engine.compile()`` (see :mod:`lightspeed.core.zero.compile`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
@@ -40,6 +43,14 @@ from lightspeed.core.reliability.node_local import describe_position, node_local
 from lightspeed.core.reliability.staging import StagedCheckpointSaver
 from lightspeed.core.zero import load_policy
 from lightspeed.core.zero import third_party_warnings as _third_party_warnings
+from lightspeed.core.zero.compile import (
+    CompileRequest,
+    check_compile_supported,
+    compile_engine,
+    compile_request,
+    prepare_zero3_for_compile,
+    request_from_dynamo_context,
+)
 from lightspeed.core.zero.config import (
     ZeroConfigProperties,
     ZeroTuning,
@@ -104,6 +115,11 @@ class ZeroStrategy(
             every node committed its part (same as ``config={"checkpoint": {"use_node_local_storage": True}}``).
         start_method: ``"fork"`` starts the worker processes by forking (as Lightning's ``ddp_notebook``); ``None``
             (default) forks in an interactive session (Jupyter, Colab) and otherwise re-runs the script per process.
+        compile: compile the model with DeepSpeed's ``engine.compile()`` (``torch.compile`` of the module the engine
+            wraps). A LightningModule compiled with ``torch.compile`` before ``fit`` is compiled the same way, with
+            its backend, mode and options.
+        compile_kwargs: ``torch.compile`` arguments for ``engine.compile()`` (``backend``, ``mode``, ``options``,
+            ``fullgraph``, ``dynamic``, ...); given alone, it asks for compilation too.
     """
 
     strategy_name = "zero"
@@ -134,6 +150,8 @@ class ZeroStrategy(
         sync_with_dataloader: bool = True,
         node_local_storage: bool = False,
         start_method: str | None = None,
+        compile: bool = False,
+        compile_kwargs: dict[str, Any] | None = None,
     ) -> None:
         deepspeed_config = build_zero_config(
             stage,
@@ -164,6 +182,8 @@ class ZeroStrategy(
             sync_with_dataloader=sync_with_dataloader,
             node_local_storage=node_local_storage,
             start_method=start_method,
+            compile=compile,
+            compile_kwargs=compile_kwargs,
         )
 
     def _init_lightning(
@@ -172,11 +192,14 @@ class ZeroStrategy(
         *,
         node_local_storage: bool = False,
         start_method: str | None = None,
+        compile: bool = False,
+        compile_kwargs: dict[str, Any] | None = None,
         **strategy_kwargs: Any,
     ) -> None:
         """Lightning's ``DeepSpeedStrategy`` set-up (``strategy_kwargs``: the Lightning arguments of ``__init__``)
         around an already built DeepSpeed config, whose ``"auto"`` values stay until setup."""
         check_start_method(start_method)
+        self._compile_request = compile_request(compile, compile_kwargs, type(self).__name__)
         if node_local_storage:
             deepspeed_config.setdefault("checkpoint", {})["use_node_local_storage"] = True
         super().__init__(config=deepspeed_config, **strategy_kwargs)
@@ -196,6 +219,51 @@ class ZeroStrategy(
     def _device_kind(self) -> str:
         return zero_device_kind(self.accelerator)
 
+    # ------------------------------------------------------------------ torch.compile
+    @property
+    @override
+    def _lightning_module(self) -> pl.LightningModule | None:
+        return self.__dict__.get("_zero_lightning_module")
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: pl.LightningModule | None) -> None:
+        # The Trainer assigns the module it was given here (unwrapped from torch.compile by `from_compiled`, which
+        # compiles its step methods) and then refuses a compiled module under any DeepSpeed strategy: take the
+        # compilation over instead, undo Lightning's per-method wrapping, and let the engine compile the module.
+        ctx = getattr(module, "_compiler_ctx", None) if module is not None else None
+        if module is not None and ctx is not None:
+            request = request_from_dynamo_context(ctx["dynamo_ctx"], "torch.compile(model)")
+            to_uncompiled(module)
+            if self._compile_request is None:
+                self._compile_request = request
+            if self.accelerator is not None:
+                check_compile_supported(self._compile_request, self.config, self._device_kind())
+        self.__dict__["_zero_lightning_module"] = module
+
+    @property
+    def compile_request(self) -> CompileRequest | None:
+        """What ``engine.compile()`` is called with (None: the model is not compiled)."""
+        return self._compile_request
+
+    def _prepare_compile(self, model: torch.nn.Module, config: dict[str, Any]) -> None:
+        """Before the engine is built: refuse what DeepSpeed cannot compile, mark ZeRO-3 leaf modules."""
+        if self._compile_request is None:
+            return
+        check_compile_supported(self._compile_request, config, self._device_kind())
+        marked = prepare_zero3_for_compile(model, config)
+        if marked:
+            rank_zero_info(
+                f"lightspeed: ZeRO-3 leaf modules for the compiled forward (all their parameters gathered on entry): "
+                f"{', '.join(marked)}"
+            )
+
+    def _compile(self, engine: deepspeed.DeepSpeedEngine) -> None:
+        request = self._compile_request
+        if request is None:
+            return
+        rank_zero_info(f"lightspeed: {request.source} runs as DeepSpeed's {request.describe()}")
+        compile_engine(engine, request)
+
     # ------------------------------------------------------------------ before any process starts
     @override
     def _configure_launcher(self) -> None:
@@ -203,6 +271,8 @@ class ZeroStrategy(
         # environment every rank inherits.
         kind = self._device_kind()
         check_precision_supported(kind, self.precision_plugin.precision)
+        if self._compile_request is not None:
+            check_compile_supported(self._compile_request, self.config, kind)
         export_deepspeed_accelerator(kind)
         check_world_matches(self.cluster_environment, self.num_nodes, self.num_processes)
         launcher = fork_launcher_if_wanted(self, self._start_method_choice)
@@ -283,9 +353,11 @@ class ZeroStrategy(
     def _setup_model_and_optimizer(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None
     ) -> tuple[deepspeed.DeepSpeedEngine, torch.optim.Optimizer]:
+        self._prepare_compile(model, self.config)
         engine, deepspeed_optimizer, _ = initialize_engine(
             self.config, model, optimizer, lr_scheduler, self.root_device.index, self.local_rank
         )
+        self._compile(engine)
         return engine, deepspeed_optimizer
 
     @override
@@ -314,7 +386,9 @@ class ZeroStrategy(
             if "aio" in self.config:
                 inference_config["aio"] = self.config["aio"]
         remove_module_hooks(model)
+        self._prepare_compile(model, inference_config)
         engine, _, _ = initialize_engine(inference_config, model, None, None, self.root_device.index, self.local_rank)
+        self._compile(engine)
         self.model = engine
 
     @override

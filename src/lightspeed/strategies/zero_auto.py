@@ -20,17 +20,21 @@ from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightspeed.core.zero.auto_choice import ZeroAutoRequest, zero_auto_config
+from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.config import resolve_config_with_notes
-from lightspeed.core.zero.engine import initialize_engine, prepare_optimizer
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
-from lightspeed.core.zero.tuner import Candidate, TrialSetup, TuneRequest, TuningKey, candidates_from_plan
+from lightspeed.core.zero.tuner import (
+    TrialSetup,
+    TuneRequest,
+    TuningKey,
+    candidates_from_plan,
+    deepspeed_engine_builder,
+)
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies._tuning import copy_lightning_module, training_loss
 from lightspeed.strategies.zero import ZeroStrategy
@@ -135,8 +139,8 @@ class ZeroAutoStrategy(ZeroStrategy):
         loader = trainer.fit_loop._data_source.dataloader()  # the user's loader, as Lightning will set it up
         setup = TrialSetup(
             copy_model=lambda: copy_lightning_module(module),
-            config_for=lambda candidate: self._resolved(self._config_of(candidate), module),
-            build_engine=self._trial_engine,
+            config_for=lambda candidate: self._resolved(candidate.config(self.request), module),
+            build_engine=deepspeed_engine_builder(self.root_device.index, self.local_rank),
             loss=lambda model, batch, index: training_loss(
                 model, self.precision_plugin.convert_input(move_data_to_device(batch, self.root_device)), index
             ),
@@ -153,22 +157,11 @@ class ZeroAutoStrategy(ZeroStrategy):
         )
         result = self.tune_request.run(candidates, setup, key, info=rank_zero_info)
         self.chosen_option = result.chosen.option
-        self.config = self._config_of(result.chosen)
-
-    def _config_of(self, candidate: Candidate) -> dict[str, Any]:
-        request = self.request
-        return zero_auto_config(
-            candidate.option, request.user_config, candidate.tuning(request.tuning), request.nvme_path
-        )
+        self.config = result.chosen.config(self.request)
 
     def _resolved(self, config: dict[str, Any], module: pl.LightningModule) -> dict[str, Any]:
         facts = collect_training_facts(module, self.world_size, self.precision_plugin.precision, config)
         return resolve_config_with_notes(config, facts)[0]
-
-    def _trial_engine(self, config: dict[str, Any], model: torch.nn.Module, optimizer: Any) -> Any:
-        optimizer, _ = prepare_optimizer(optimizer, None, config)
-        engine, _, _ = initialize_engine(config, model, optimizer, None, self.root_device.index, self.local_rank)
-        return engine
 
     # ------------------------------------------------------------------ hooks
     @override

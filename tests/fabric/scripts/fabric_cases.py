@@ -9,6 +9,8 @@ Scenarios (each writes OUT_DIR/<scenario>.json and, for weights, OUT_DIR/<scenar
   full:NAME           load_full_weights=True: a fabric.save-style file, a plain state dict and a safetensors export
                       loaded into the model (and the optimizer's masters), one step after each; strict=False
   config_opt:NAME     the optimizer and scheduler of the DeepSpeed config (config_optimizer()), 6 steps
+  tune:NAME           ZeroAutoFabricStrategy(tune=True): zero1 and zero2 measured, the chosen one trains 4 steps;
+                      then the same 4 steps under the chosen option as a fixed strategy
   torch_sched:NAME    torch's StepLR built on the optimizer fabric.setup returned, 6 steps, saved with the
                       checkpoint after 3 and loaded back into a fresh StepLR
   errors:NAME         two optimizers, clip_gradients(clip_val=...), a config contradicting Fabric's precision;
@@ -370,8 +372,61 @@ def scenario_torch_sched(name: str, out: Path) -> tuple[dict, dict]:
     return meta, weights
 
 
+# ----------------------------------------------------------------------------------------------- zero_auto tuning
+def scenario_tune(name: str, out: Path) -> tuple[dict, dict]:
+    """zero_auto's measured mode in a Fabric loop, and the chosen option without tuning: equal bit for bit."""
+    import logging
+
+    from lightspeed.fabric import ZeroAutoFabricStrategy, ZeroFabricStrategy
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    # lightning_utilities logs through the logger of whichever of Lightning's rank_zero modules was imported last
+    loggers = [logging.getLogger(f"lightning.{part}.utilities.rank_zero") for part in ("fabric", "pytorch")]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+    def mse(model: nn.Module, batch: Any) -> torch.Tensor:
+        return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    def train(strategy: Any) -> dict[str, torch.Tensor]:
+        fabric = make_fabric(name, strategy=strategy)
+        L.seed_everything(0, verbose=False)
+        net = make_net()
+        model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        loader = fabric.setup_dataloaders(DataLoader(make_regression_data(), batch_size=4, shuffle=True))
+        for step, batch in enumerate(loader):
+            if step == 4:
+                break
+            fabric.backward(mse(model, batch), model=model)
+            optimizer.step()
+            optimizer.zero_grad()
+        return weights_of(model)
+
+    tuned_strategy = ZeroAutoFabricStrategy(
+        tune=True,
+        tune_steps=1,
+        tune_options=["zero1", "zero2"],
+        tune_cache=out / "tune_cache.json",
+        host_memory="20GB",
+        tune_batches=DataLoader(make_regression_data(), batch_size=4),
+        tune_loss=mse,
+    )
+    tuned = train(tuned_strategy)
+    for logger in loggers:
+        logger.removeHandler(handler)
+    chosen = tuned_strategy.chosen_option
+    assert chosen is not None
+    fixed = train(ZeroFabricStrategy(stage=chosen.stage))
+    meta = {"chosen": chosen.name, "logs": [m for m in messages if "zero_auto: measured" in m]}
+    return meta, {**{f"tuned.{k}": v for k, v in tuned.items()}, **{f"fixed.{k}": v for k, v in fixed.items()}}
+
+
 SCENARIOS = {
     "config_opt": scenario_config_opt,
+    "tune": scenario_tune,
     "torch_sched": scenario_torch_sched,
     "train": scenario_train,
     "accum": scenario_accum,

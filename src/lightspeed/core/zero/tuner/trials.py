@@ -21,6 +21,7 @@ import torch
 
 from lightspeed.core.common.batch import count_samples
 from lightspeed.core.common.sizes import format_size
+from lightspeed.core.zero.auto_choice import ZeroAutoRequest, zero_auto_config
 from lightspeed.core.zero.config import ZeroTuning
 from lightspeed.core.zero.planner import ZeroOption
 
@@ -29,6 +30,7 @@ __all__ = [
     "Candidate",
     "Trial",
     "TrialSetup",
+    "deepspeed_engine_builder",
     "format_trials",
     "preserved_random_state",
     "run_trials",
@@ -55,6 +57,11 @@ class Candidate:
     def tuning(self, base: ZeroTuning) -> ZeroTuning:
         """``base`` with this candidate's bucket sizes."""
         return dataclasses.replace(base, **BUCKET_VARIANTS[self.buckets])
+
+    def config(self, request: ZeroAutoRequest) -> dict[str, Any]:
+        """This candidate's DeepSpeed config (``"auto"`` values unresolved) under zero_auto's ``request``."""
+        tuning = self.tuning(request.tuning)
+        return zero_auto_config(self.option, request.user_config, tuning, request.nvme_path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +90,22 @@ class TrialSetup:
     loss: Callable[[torch.nn.Module, Any, int], torch.Tensor]
     take_batches: Callable[[int], list[Any]]
     device: torch.device
+
+
+def deepspeed_engine_builder(
+    device_index: int | None, local_rank: int
+) -> Callable[[dict[str, Any], torch.nn.Module, Any], Any]:
+    """``TrialSetup.build_engine`` as the strategies build their engines: the optimizer prepared for the config
+    (CPU Adam under optimizer offload), then ``deepspeed.initialize``."""
+    from lightspeed.core.zero.engine import initialize_engine, prepare_optimizer
+
+    def build(config: dict[str, Any], model: torch.nn.Module, optimizer: Any) -> Any:
+        if optimizer is not None:
+            optimizer, _ = prepare_optimizer(optimizer, None, config)
+        engine, _, _ = initialize_engine(config, model, optimizer, None, device_index, local_rank)
+        return engine
+
+    return build
 
 
 @contextlib.contextmanager
