@@ -22,12 +22,9 @@ from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.engine import one_optimizer_error
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
 from lightspeed.core.zero.tuner import (
-    TrialSetup,
+    TrialParts,
     TuneRequest,
-    TuningKey,
-    candidates_from_plan,
     copy_module_and_optimizer,
-    deepspeed_engine_builder,
 )
 from lightspeed.fabric.zero import ConfigOptimizer, ZeroFabricStrategy, unknown_keywords_error
 
@@ -133,27 +130,21 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         """Measure the candidates that fit (copies of ``module`` and ``optimizer``) and configure this strategy as
         the fastest."""
         assert self.memory_plan is not None and self._tune_batches is not None and self._tune_loss is not None
-        candidates = candidates_from_plan(self.memory_plan, self.tune_request.options, self.tune_request.buckets)
         batches, loss = self._tune_batches, self._tune_loss
-        setup = TrialSetup(
+        trial = TrialParts(
             copy_model=lambda: copy_module_and_optimizer(module, optimizer),
-            config_for=lambda candidate: self._resolved(candidate.config(self.request), module)[0],
-            build_engine=deepspeed_engine_builder(self.root_device.index, self.local_rank),
+            resolve=lambda config: self._resolved(config, module)[0],
             loss=lambda model, batch, index: loss(model, move_data_to_device(batch, self.root_device)),
             take_batches=lambda n: list(itertools.islice(iter(batches), n)),
+            micro_batch=getattr(batches, "batch_size", None),
             device=self.root_device,
-        )
-        key = TuningKey.of(
-            module,
+            local_rank=self.local_rank,
             world_size=self.world_size,
             precision=str(self.precision.precision),
-            device=self.root_device,
-            candidates=[candidate.name for candidate in candidates],
-            micro_batch=getattr(batches, "batch_size", None),
         )
-        result = self.tune_request.run(candidates, setup, key, info=rank_zero_info)
-        self.chosen_option = result.chosen.option
-        self._recipe = result.chosen.config(self.request)
+        chosen = self.tune_request.choose(self.memory_plan, self.request, module, trial, info=rank_zero_info)
+        self.chosen_option = chosen.option
+        self._recipe = chosen.config(self.request)
         self.config = self._recipe
 
     @override

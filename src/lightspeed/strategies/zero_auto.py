@@ -29,11 +29,8 @@ from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.config import resolve_config_with_notes
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
 from lightspeed.core.zero.tuner import (
-    TrialSetup,
+    TrialParts,
     TuneRequest,
-    TuningKey,
-    candidates_from_plan,
-    deepspeed_engine_builder,
 )
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies._tuning import copy_lightning_module, training_loss
@@ -135,29 +132,23 @@ class ZeroAutoStrategy(ZeroStrategy):
                 "optimization only; using the planner's choice."
             )
             return
-        candidates = candidates_from_plan(plan, self.tune_request.options, self.tune_request.buckets)
         loader = trainer.fit_loop._data_source.dataloader()  # the user's loader, as Lightning will set it up
-        setup = TrialSetup(
+        trial = TrialParts(
             copy_model=lambda: copy_lightning_module(module),
-            config_for=lambda candidate: self._resolved(candidate.config(self.request), module),
-            build_engine=deepspeed_engine_builder(self.root_device.index, self.local_rank),
+            resolve=lambda config: self._resolved(config, module),
             loss=lambda model, batch, index: training_loss(
                 model, self.precision_plugin.convert_input(move_data_to_device(batch, self.root_device)), index
             ),
             take_batches=lambda n: list(itertools.islice(iter(loader), n)),
+            micro_batch=getattr(loader, "batch_size", None),
             device=self.root_device,
-        )
-        key = TuningKey.of(
-            module,
+            local_rank=self.local_rank,
             world_size=self.world_size,
             precision=str(self.precision_plugin.precision),
-            device=self.root_device,
-            candidates=[candidate.name for candidate in candidates],
-            micro_batch=getattr(loader, "batch_size", None),
         )
-        result = self.tune_request.run(candidates, setup, key, info=rank_zero_info)
-        self.chosen_option = result.chosen.option
-        self.config = result.chosen.config(self.request)
+        chosen = self.tune_request.choose(plan, self.request, module, trial, info=rank_zero_info)
+        self.chosen_option = chosen.option
+        self.config = chosen.config(self.request)
 
     def _resolved(self, config: dict[str, Any], module: pl.LightningModule) -> dict[str, Any]:
         facts = collect_training_facts(module, self.world_size, self.precision_plugin.precision, config)

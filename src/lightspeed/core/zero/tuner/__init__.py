@@ -4,7 +4,7 @@ in the run's own processes, pick the fastest, and remember the decision (:mod:`.
 
 from lightspeed.core.zero.tuner.cache import DEFAULT_CACHE_PATH, TuningCache, TuningKey
 from lightspeed.core.zero.tuner.copies import copy_module_and_optimizer
-from lightspeed.core.zero.tuner.decision import TuneRequest, TuneResult, candidates_from_plan, tune
+from lightspeed.core.zero.tuner.decision import TrialParts, TuneRequest, TuneResult, candidates_from_plan, tune
 from lightspeed.core.zero.tuner.trials import (
     BUCKET_VARIANTS,
     Candidate,
@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_CACHE_PATH",
     "Candidate",
     "Trial",
+    "TrialParts",
     "TrialSetup",
     "TuneRequest",
     "TuneResult",

@@ -10,16 +10,26 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lightspeed.core.common.distributed import global_rank, is_distributed
 from lightspeed.core.errors import MemoryPlanError
+from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.planner import Plan
 from lightspeed.core.zero.tuner.cache import CachedDecision, TuningCache, TuningKey
-from lightspeed.core.zero.tuner.trials import BUCKET_VARIANTS, Candidate, Trial, TrialSetup, format_trials, run_trials
+from lightspeed.core.zero.tuner.trials import (
+    BUCKET_VARIANTS,
+    Candidate,
+    Trial,
+    TrialSetup,
+    deepspeed_engine_builder,
+    format_trials,
+    run_trials,
+)
 
-__all__ = ["TuneRequest", "TuneResult", "candidates_from_plan", "tune"]
+__all__ = ["TrialParts", "TuneRequest", "TuneResult", "candidates_from_plan", "tune"]
 
 
 @dataclass(frozen=True)
@@ -151,3 +161,49 @@ class TuneRequest:
         """:func:`tune` with these arguments."""
         cache = TuningCache(self.cache_path)
         return tune(candidates, setup, key, cache, retune=self.retune, steps=self.steps, info=info)
+
+    def choose(
+        self,
+        plan: Plan,
+        zero_auto: ZeroAutoRequest,
+        module: torch.nn.Module,
+        trial: TrialParts,
+        *,
+        info: Callable[[str], None],
+    ) -> Candidate:
+        """The fastest candidate ``plan`` allows for ``module`` under zero_auto's ``zero_auto`` request, cached or
+        measured with the front end's ``trial`` parts (a collective)."""
+        candidates = candidates_from_plan(plan, self.options, self.buckets)
+        setup = TrialSetup(
+            copy_model=trial.copy_model,
+            config_for=lambda candidate: trial.resolve(candidate.config(zero_auto)),
+            build_engine=deepspeed_engine_builder(trial.device.index, trial.local_rank),
+            loss=trial.loss,
+            take_batches=trial.take_batches,
+            device=trial.device,
+        )
+        key = TuningKey.of(
+            module,
+            world_size=trial.world_size,
+            precision=trial.precision,
+            device=trial.device,
+            candidates=[candidate.name for candidate in candidates],
+            micro_batch=trial.micro_batch,
+        )
+        return self.run(candidates, setup, key, info=info).chosen
+
+
+@dataclass(frozen=True)
+class TrialParts:
+    """What a front end provides for :meth:`TuneRequest.choose`: a copy of the model and optimizer, the resolution of
+    ``"auto"`` values, one micro-batch's loss, the run's first batches, and where the run trains."""
+
+    copy_model: Callable[[], tuple[torch.nn.Module, Any]]
+    resolve: Callable[[dict[str, Any]], dict[str, Any]]
+    loss: Callable[[torch.nn.Module, Any, int], torch.Tensor]
+    take_batches: Callable[[int], list[Any]]
+    micro_batch: int | None
+    device: torch.device
+    local_rank: int
+    world_size: int
+    precision: str
