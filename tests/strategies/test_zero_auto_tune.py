@@ -62,7 +62,8 @@ def test_the_decision_is_cached_reused_and_measured_again_on_request(run: tuple[
     assert measured_table(result["logs"]["cached"]) == {}  # no trials
     assert result["logs"]["cached"][-1] == (
         f"lightspeed zero_auto: {result['chosen']['tuned']} from the tuning cache {str(cache)!r} (measured before for "
-        "this model, world size, precision and hardware); tune_retune=True measures again."
+        "this model, world size, precision and hardware); retune=True (`lightspeed tune --retune`) "
+        "measures again."
     )
     assert list(measured_table(result["logs"]["retune"])) == ["zero1", "zero2", "zero3"]
     entries = json.loads(cache.read_text())["entries"]

@@ -96,7 +96,8 @@ def tune(
         if cached is not None and cached.chosen in by_name:
             info(
                 f"lightspeed zero_auto: {cached.chosen} from the tuning cache {str(cache.path)!r} (measured before for "
-                "this model, world size, precision and hardware); tune_retune=True measures again."
+                "this model, world size, precision and hardware); retune=True (`lightspeed tune --retune`) "
+                "measures again."
             )
             return TuneResult(by_name[cached.chosen], [], True)
         if others:

@@ -155,22 +155,16 @@ def _peak(device: torch.device) -> int | None:
     return None
 
 
-def _slowest(seconds: float) -> float:
-    """The largest of every rank's ``seconds`` (a collective), so that every rank computes the same samples/s."""
+def _agreed(seconds: float, error: str | None) -> tuple[float, str | None]:
+    """The slowest rank's ``seconds`` and the lowest failing rank's error (a collective: one object gather, which
+    works on every backend), so that every rank computes the same samples/s and drops the same candidates."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return seconds
-    value = torch.tensor([seconds], dtype=torch.float64)
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return float(value.item())
-
-
-def _first_error(error: str | None) -> str | None:
-    """The error of the lowest rank that had one (a collective), so that every rank drops the same candidates."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return error
-    errors: list[str | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(errors, error)
-    return next((f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None), None)
+        return seconds, error
+    reports: list[tuple[float, str | None] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(reports, (seconds, error))
+    received = [report for report in reports if report is not None]
+    first = next((f"rank {rank}: {e}" for rank, (_, e) in enumerate(received) if e is not None), None)
+    return max(s for s, _ in received), first
 
 
 def _measure(candidate: Candidate, setup: TrialSetup, batches: list[Any], steps: int, warmup: int) -> Trial:
@@ -202,10 +196,9 @@ def _measure(candidate: Candidate, setup: TrialSetup, batches: list[Any], steps:
                 engine.destroy()
         engine = None
         gc.collect()
-    error = _first_error(error)
+    slowest, error = _agreed(seconds, error)
     if error is not None:
         return Trial(candidate, None, None, error)
-    slowest = _slowest(seconds)
     samples = sum(count_samples(batches[index % len(batches)]) or 1 for index in range(warmup, warmup + steps))
     return Trial(candidate, samples / slowest if slowest > 0 else float("inf"), peak)
 
