@@ -106,9 +106,9 @@ def _fits_whole(params: list[torch.nn.Parameter], device: torch.device) -> bool:
 
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         free = psutil.virtual_memory().available // max(1, local_ranks)
-    verdict = torch.tensor([1 if whole <= GATHER_MEMORY_SHARE * free else 0], device=device)
-    torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
-    return bool(verdict.item())
+    verdicts: list[bool | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(verdicts, whole <= GATHER_MEMORY_SHARE * free)  # any backend, any device
+    return all(verdicts)
 
 
 @contextlib.contextmanager
@@ -124,8 +124,9 @@ def gathered_for_generation(model: nn.Module, enabled: bool | str = "auto") -> I
     if not enabled or not partitioned_over_ranks(model):
         yield False
         return
-    device = next((p.ds_tensor.device for p in params if hasattr(p, "ds_tensor")), torch.device("cpu"))
-    device = device if device.type == "cuda" else torch.device("cpu")
+    # DeepSpeed gathers onto the compute device, also for parameters offloaded to the CPU
+    on_cuda = torch.cuda.is_available() and torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     if enabled == "auto" and not _fits_whole(params, device):
         yield False
         return
