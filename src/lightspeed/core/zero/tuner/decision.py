@@ -1,8 +1,9 @@
 """The tuner's decision: from the cache when it holds one for exactly this run, else measured and stored.
 
 Every rank reaches the same decision: rank 0 reads the cache and tells the others, the trials agree on their
-timings and failures, and the fastest measured candidate wins (ties go to the faster estimate, i.e. the planner's
-order).
+timings and failures, and the fastest measured candidate wins, unless it beats the planner's choice (the first
+candidate) by less than 5 %: a few steps measure the machine's load as much as the option, so the planner keeps its
+choice without clear evidence.
 """
 
 from __future__ import annotations
@@ -67,6 +68,23 @@ def candidates_from_plan(plan: Plan, allowed: Sequence[str] | None = None, bucke
     return [Candidate(option, variant) for option in fitting for variant in variants]
 
 
+#: how much faster (measured) another candidate must be to replace the planner's choice (the first candidate): a few
+#: steps on a busy machine measure the load as much as the option, so a smaller gap is no evidence
+TUNE_MARGIN = 1.05
+
+
+def pick_fastest(trials: Sequence[Trial]) -> Trial:
+    """The fastest measured trial, unless it beats the planner's choice (the first candidate, when it trained) by less
+    than :data:`TUNE_MARGIN`: then the planner's choice."""
+    measured = [trial for trial in trials if trial.samples_per_second is not None]
+    best = max(measured, key=lambda trial: trial.samples_per_second or 0.0)  # max keeps the first of equals
+    planned = trials[0]
+    planned_speed = planned.samples_per_second
+    if planned_speed is not None and (best.samples_per_second or 0.0) < TUNE_MARGIN * planned_speed:
+        return planned
+    return best
+
+
 def _agreed_cached(cache: TuningCache, key: TuningKey) -> tuple[CachedDecision | None, int]:
     found: list[object] = [cache.lookup(key) if global_rank() == 0 else None]
     if is_distributed():
@@ -110,7 +128,7 @@ def tune(
     if not measured:
         failures = "\n  ".join(f"{trial.candidate.name}: {trial.error}" for trial in trials)
         raise MemoryPlanError(f"zero_auto could not train any candidate it tried:\n  {failures}")
-    best = max(measured, key=lambda trial: trial.samples_per_second or 0.0)  # max keeps the first of equals
+    best = pick_fastest(trials)
     measured_steps = f"{steps} step{'s' if steps != 1 else ''}"
     info(f"lightspeed zero_auto: measured {measured_steps} of each candidate\n{format_trials(trials, best.candidate)}")
     cache.store(

@@ -167,6 +167,20 @@ def _agreed(seconds: float, error: str | None) -> tuple[float, str | None]:
     return max(s for s, _ in received), first
 
 
+class _LossOf(torch.nn.Module):
+    """The module a trial's engine wraps: its forward is the training loss of ``model``, so every step runs through
+    the engine's forward (ZeRO-3 gathers parameters read outside their module only there, e.g. attention's
+    ``out_proj.weight``; DeepSpeed's forward hooks and timers run as in a real run)."""
+
+    def __init__(self, model: torch.nn.Module, loss: Callable[[torch.nn.Module, Any, int], torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self._loss = loss
+
+    def forward(self, batch: Any, index: int) -> torch.Tensor:
+        return self._loss(self.model, batch, index)
+
+
 def _measure(candidate: Candidate, setup: TrialSetup, batches: list[Any], steps: int, warmup: int) -> Trial:
     engine: Any = None
     error: str | None = None
@@ -174,7 +188,7 @@ def _measure(candidate: Candidate, setup: TrialSetup, batches: list[Any], steps:
     peak: int | None = None
     try:
         model, optimizer = setup.copy_model()
-        engine = setup.build_engine(setup.config_for(candidate), model, optimizer)
+        engine = setup.build_engine(setup.config_for(candidate), _LossOf(model, setup.loss), optimizer)
         _reset_peak(setup.device)
         for index in range(warmup + steps):
             if index == warmup:
@@ -182,7 +196,7 @@ def _measure(candidate: Candidate, setup: TrialSetup, batches: list[Any], steps:
                     torch.cuda.synchronize(setup.device)
                 start = time.perf_counter()
             batch = batches[index % len(batches)]
-            engine.backward(setup.loss(engine.module, batch, index))
+            engine.backward(engine(batch, index))  # through the engine's forward, as a real run goes
             engine.step()
         if setup.device.type == "cuda":
             torch.cuda.synchronize(setup.device)
@@ -217,7 +231,7 @@ def run_trials(candidates: Sequence[Candidate], setup: TrialSetup, *, steps: int
 
 def format_trials(trials: Sequence[Trial], chosen: Candidate | None) -> str:
     """The measured table: samples/s and peak memory per candidate, the chosen one marked."""
-    rows = [("candidate", "samples/s", "peak memory", "")]
+    rows = [("candidate", "samples/s per rank", "peak memory", "")]
     for trial in trials:
         speed = f"{trial.samples_per_second:.1f}" if trial.samples_per_second is not None else "failed"
         peak = format_size(trial.peak_memory) if trial.peak_memory is not None else "-"
