@@ -106,7 +106,9 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         unknown = {name: value for name, value in kwargs.items() if name not in _FABRIC_STRATEGY_ARGUMENTS}
         if unknown:
             raise unknown_keywords_error(type(self).__name__, unknown)
-        self._init_lightning(self.request.user_config, **kwargs)
+        self._init_lightning(
+            self.request.user_config, activation_checkpointing_policy=self.request.tuning.policy, **kwargs
+        )
         self.memory_plan: Plan | None = None
         self.chosen_option: ZeroOption | None = None
 

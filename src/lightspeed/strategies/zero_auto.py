@@ -64,7 +64,9 @@ class ZeroAutoStrategy(ZeroStrategy):
             only for the same model shapes, world size, precision, micro-batch size, hardware and candidates.
         retune: measure even when the cache holds a decision.
         **kwargs: the other :class:`ZeroStrategy` arguments: ``pin_memory``, the bucket sizes, ``sub_group_size``
-            (applied to whichever stage is chosen, where that stage has them) and Lightning's.
+            (applied to whichever stage is chosen, where that stage has them), activation checkpointing
+            (``activation_checkpointing_policy`` and the ``activation_checkpointing`` section's arguments) and
+            Lightning's.
     """
 
     strategy_name = "zero_auto"
@@ -96,7 +98,9 @@ class ZeroAutoStrategy(ZeroStrategy):
             kwargs=kwargs,
         )
         inspect.signature(ZeroStrategy).bind_partial(**kwargs)  # a misspelt argument is a TypeError naming it
-        self._init_lightning(self.request.user_config, **kwargs)
+        self._init_lightning(
+            self.request.user_config, activation_checkpointing_policy=self.request.tuning.policy, **kwargs
+        )
         self.memory_plan: Plan | None = None
         self.chosen_option: ZeroOption | None = None
 

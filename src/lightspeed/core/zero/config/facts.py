@@ -33,7 +33,8 @@ class TrainingFacts:
     ``micro_batch_size`` is the per-device batch size of the train dataloader (None: unknown);
     ``gradient_clip_val`` None or 0 means no clipping; ``precision`` is Lightning's precision string;
     ``total_steps`` counts optimizer steps of the whole run; ``front_end`` (``"Trainer"`` or ``"Fabric"``) is whose
-    arguments the error messages name.
+    arguments the error messages name; ``device`` is the device kind the engine trains on (``"cuda"``, ``"cpu"``),
+    None for the one DeepSpeed's accelerator runs on in this process (which lightspeed's strategies set per rank).
     """
 
     world_size: int
@@ -45,6 +46,7 @@ class TrainingFacts:
     optimizer: OptimizerFacts | None = None
     total_steps: int | None = None
     front_end: str = "Trainer"
+    device: str | None = None
 
     def __post_init__(self) -> None:
         from lightspeed.core.errors import DeepSpeedConfigError
@@ -63,8 +65,18 @@ class TrainingFacts:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"TrainingFacts.{name} must be None or a whole number >= 1, got {value!r}")
+        if self.device is not None and (not isinstance(self.device, str) or not self.device):
+            raise ValueError(f"TrainingFacts.device must be None or a device kind such as 'cuda', got {self.device!r}")
         if self.gradient_clip_val is not None and self.gradient_clip_val < 0:
             raise ValueError(f"TrainingFacts.gradient_clip_val must be None or >= 0, got {self.gradient_clip_val!r}")
+
+    def device_kind(self) -> str:
+        """``device``, or the device DeepSpeed's accelerator runs on in this process when it is None."""
+        if self.device is not None:
+            return self.device
+        from deepspeed.accelerator import get_accelerator
+
+        return str(get_accelerator().device_name()).split(":")[0]
 
     def argument(self, name: str, value: object) -> str:
         """How the user wrote ``name=value``: ``Trainer(accumulate_grad_batches=4)`` or ``Fabric(precision=...)``."""

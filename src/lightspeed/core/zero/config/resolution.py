@@ -13,6 +13,7 @@ import math
 import warnings
 from typing import Any
 
+from lightspeed.core.zero.config import activation
 from lightspeed.core.zero.config.choices import AUTO
 from lightspeed.core.zero.config.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config.facts import BF16_PRECISIONS, FP16_PRECISIONS, TrainingFacts, front_end_in_prose
@@ -266,12 +267,19 @@ class _Resolver:
             else:
                 params[name] = self.facts.total_steps
 
+    # -- activation checkpointing ----------------------------------------------------------------------------
+    def activation_checkpointing(self) -> None:
+        section = self.config.get(activation.SECTION)
+        if isinstance(section, dict):
+            offloaded = activation.parameters_offloaded(self.config)
+            self.notes += activation.resolve_section(section, offloaded, self.facts.device_kind)
+
     # -- anything left -------------------------------------------------------------------------------------
     def leftovers(self) -> None:
         """Report every "auto" still left where DeepSpeed would choke on it or silently use its default."""
         cfg = self.config
         scopes: list[tuple[str, Any]] = [("", cfg)]
-        for name in ("zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "scheduler"):
+        for name in ("zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", activation.SECTION):
             if isinstance(cfg.get(name), dict):
                 scopes.append((name + ".", cfg[name]))
         for name in ("optimizer", "scheduler"):
@@ -333,6 +341,7 @@ def resolve_config_with_notes(config: dict, facts: TrainingFacts) -> tuple[dict,
     resolver.zero()
     resolver.optimizer()
     resolver.scheduler()
+    resolver.activation_checkpointing()
     resolver.leftovers()
     problems = resolver.mismatches + resolver.unresolved
     if problems:

@@ -10,6 +10,7 @@ import difflib
 from collections.abc import Iterator
 from typing import Any
 
+from lightspeed.core.zero.config.activation import section_problems
 from lightspeed.core.zero.config.choices import OFFLOAD_TARGETS, ZERO_STAGES
 from lightspeed.core.zero.config.errors import DeepSpeedConfigError, problems_error
 from lightspeed.core.zero.config.facts import front_end_in_prose
@@ -165,6 +166,7 @@ def _value_problems(config: dict, front_end: str) -> list[str]:
                 f"DeepSpeed has: {', '.join(valid)}. Use one of them, or configure the scheduler in "
                 "the LightningModule instead."
             )
+    problems += section_problems(config)
     return problems
 
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from lightspeed.core.zero.config import activation
 from lightspeed.core.zero.config.choices import AUTO, check_zero_stage, offload_target
-from lightspeed.core.zero.config.errors import DeepSpeedConfigError
+from lightspeed.core.zero.config.errors import DeepSpeedConfigError, problems_error
 from lightspeed.core.zero.config.loading import config_or_environment, load_user_config
 from lightspeed.core.zero.config.merging import merge_configs
 from lightspeed.core.zero.config.nvme import resolve_nvme_path
@@ -72,9 +76,27 @@ ZERO_PRESETS: dict[str, ZeroPreset] = {
 }
 
 
+#: the ZeroTuning knobs that go into zero_preset
+_PRESET_KNOBS = (
+    "pin_memory",
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "sub_group_size",
+)
+
+
 @dataclass(frozen=True)
 class ZeroTuning:
-    """The knobs beyond stage and offload targets; sizes in elements, ``"auto"`` derives them from the model."""
+    """The knobs beyond stage and offload targets, named as the strategies' arguments: ZeRO's bucket sizes (in
+    elements, ``"auto"`` derives them from the model) and activation checkpointing (DeepSpeed's
+    ``activation_checkpointing`` section, ``"auto"`` resolved by :mod:`~lightspeed.core.zero.config.activation`'s
+    rules, and ``activation_checkpointing_policy``, the module classes whose forward is checkpointed).
+
+    The activation checkpointing arguments are checked here, so a bad one fails when the strategy is created; the
+    policy is kept as a frozenset of classes (None: none).
+    """
 
     pin_memory: bool = True
     reduce_bucket_size: int | str = AUTO
@@ -82,6 +104,35 @@ class ZeroTuning:
     prefetch_bucket_size: int | str = AUTO
     param_persistence_threshold: int | str = AUTO
     sub_group_size: int | None = None
+    partition_activations: bool | str = AUTO
+    cpu_checkpointing: bool | str = AUTO
+    contiguous_memory_optimization: bool | str = AUTO
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+    activation_checkpointing_policy: Collection[type[torch.nn.Module]] | type[torch.nn.Module] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "activation_checkpointing_policy", activation.checked_policy(self.activation_checkpointing_policy)
+        )
+        problems = activation.argument_problems(self._activation_arguments())
+        if problems:
+            raise problems_error(problems, "in the activation checkpointing arguments")
+
+    @property
+    def policy(self) -> activation.Policy | None:
+        """The checked ``activation_checkpointing_policy``."""
+        return activation.checked_policy(self.activation_checkpointing_policy)
+
+    def _activation_arguments(self) -> dict[str, Any]:
+        names = (*activation.AUTO_KEYS, *activation.FLAG_KEYS, activation.NUMBER_KEY)
+        return {name: getattr(self, name) for name in names}
+
+    def activation_checkpointing_section(self) -> dict[str, Any] | None:
+        """The preset's ``activation_checkpointing`` section, or None when neither the policy nor an argument asks
+        for one."""
+        return activation.build_section(self._activation_arguments(), self.activation_checkpointing_policy is not None)
 
     def for_stage(self, stage: int) -> ZeroTuning:
         """A copy without the knobs ``stage`` does not have (for a stage chosen later, as ``zero_auto`` does)."""
@@ -106,8 +157,9 @@ def build_zero_config(
 
     Checks the stage and the offload targets (``True`` means ``"cpu"``), resolves the NVMe directory from
     ``nvme_path`` or ``$LIGHTSPEED_NVME_PATH`` when something is offloaded to NVMe (ignored otherwise), builds the
-    preset, merges ``user_config`` (a dict or a JSON path, by default the file ``$PL_DEEPSPEED_CONFIG_PATH`` names; its
-    values win) over it and rejects unknown keys and bad values. Every problem raises :class:`DeepSpeedConfigError`
+    preset (with an ``activation_checkpointing`` section when ``tuning`` asks for one), merges ``user_config`` (a dict
+    or a JSON path, by default the file ``$PL_DEEPSPEED_CONFIG_PATH`` names; its values win) over it and rejects
+    unknown keys and bad values. Every problem raises :class:`DeepSpeedConfigError`
     saying what to change, naming ``front_end``'s arguments (``"Trainer"`` or ``"Fabric"``).
     """
     check_zero_stage(stage)
@@ -120,8 +172,11 @@ def build_zero_config(
         offload_optimizer=optimizer_target,
         offload_parameters=parameter_target,
         nvme_path=resolve_nvme_path(nvme_path) if uses_nvme else None,
-        **dataclasses.asdict(tuning),
+        **{name: getattr(tuning, name) for name in _PRESET_KNOBS},
     )
+    checkpointing = tuning.activation_checkpointing_section()
+    if checkpointing is not None:
+        preset[activation.SECTION] = checkpointing
     check_zero_section(user)
     merged = merge_configs(preset, user)
     validate_keys(merged, front_end)
