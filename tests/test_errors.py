@@ -21,6 +21,7 @@ BUILT_IN = {
     "UnsupportedOffloadOptimizerError": TypeError,
     "IncompleteCheckpointError": RuntimeError,
     "CollectiveTimeoutError": RuntimeError,
+    "UnevenEvaluationError": RuntimeError,
     "CudaInitializedError": RuntimeError,
     "GatherError": RuntimeError,
     "CallSiteMismatch": RuntimeError,

@@ -8,8 +8,9 @@ DeepSpeed and torch_xla are imported only when a run uses them.
 
 Public: the subpackages ``strategies``, ``plugins``, ``callbacks``, ``fabric``, ``export``, ``xla`` (padding to fixed
 shapes, the recompilation alarm) and ``errors`` (every exception a user can meet), the gather functions below, and
-``load_pretrained`` (pretrained weights into a model, straight into its ZeRO-3 partitions) and
-``gathered_for_generation`` (a ZeRO-3 model gathered once for a whole generation).
+``load_pretrained`` (pretrained weights into a model, straight into its ZeRO-3 partitions),
+``gathered_for_generation`` (a ZeRO-3 model gathered once for a whole generation) and ``gathered_for_evaluation`` (a
+ZeRO-3 model gathered once for an evaluation whose ranks run different numbers of batches).
 ``lightspeed.core`` is internal.
 """
 
@@ -23,6 +24,7 @@ from lightspeed.core.gather import (
     shard_iterable,
     track,
 )
+from lightspeed.core.zero.evaluation import gathered_for_evaluation
 from lightspeed.core.zero.generation import gathered_for_generation
 from lightspeed.core.zero.pretrained import load_pretrained
 from lightspeed.registry import register_all
@@ -38,6 +40,7 @@ __all__ = [
     "fabric",
     "gather_for_metrics",
     "gather_object",
+    "gathered_for_evaluation",
     "gathered_for_generation",
     "load_pretrained",
     "pad_across_processes",

@@ -24,6 +24,7 @@ from lightspeed.core.errors import (
     LightspeedError,
     MemoryPlanError,
     StepOutputError,
+    UnevenEvaluationError,
     UnsupportedOffloadOptimizerError,
     WorldSizeMismatchError,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "LightspeedError",
     "MemoryPlanError",
     "StepOutputError",
+    "UnevenEvaluationError",
     "UnsupportedOffloadOptimizerError",
     "WorldSizeMismatchError",
 ]

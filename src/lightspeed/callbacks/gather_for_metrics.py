@@ -24,6 +24,14 @@ so the metrics see exactly what a gather per batch would give them. ``gather_eve
 shapes times the loader's batch size, so every rank decides alike without a collective), a number of batches,
 ``"batch"`` (1) or ``"epoch"`` (everything, once at epoch end).
 
+Ranks may run different numbers of batches of a dataloader whose every sample is real (no DistributedSampler: a
+hand-made split with ``use_distributed_sampler=False``, an IterableDataset sharded unevenly without ``__len__``). At the
+start of each epoch the ranks agree on their batch counts of such dataloaders (one small object gather; none when every
+dataloader has a DistributedSampler); where the counts differ or are unknown, that dataloader's outputs are kept until
+the end of the epoch and gathered there in one collective, which a rank that ran fewer batches (or none) joins with
+what it has. The metrics are still updated once per global batch (every rank's ``i``-th batch together), and equal the
+single-process metrics.
+
 If a step's output lacks ``preds_key`` / ``target_key`` on some rank, or holds other than one row per sample, every
 rank raises the same :class:`StepOutputError` (a :class:`~lightspeed.core.gather.collective.GatherError`) at that
 window's gather instead of the others waiting for it.
@@ -32,6 +40,7 @@ window's gather instead of the others waiting for it.
 from __future__ import annotations
 
 import copy
+import math
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -44,7 +53,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torchmetrics import Metric, MetricCollection
 from typing_extensions import override
 
-from lightspeed.core.common.distributed import is_distributed
+from lightspeed.core.common.distributed import is_distributed, values_by_rank
 from lightspeed.core.common.sizes import parse_size
 from lightspeed.core.errors import StepOutputError
 from lightspeed.core.gather.accounting import GatherState, current_state, set_current_state
@@ -125,6 +134,9 @@ class GatherForMetrics(Callback):
         self._windows: dict[tuple[str, int], BatchWindow] = {}
         self._window_sizes: dict[tuple[str, int], int] = {}
         self._loader_batch_sizes: dict[tuple[str, int], int | None] = {}
+        #: stage -> dataloaders whose ranks run different (or unknown) numbers of batches this epoch: gathered once,
+        #: at the end of the epoch
+        self._uneven: dict[str, set[int]] = {}
         self._silenced: dict[str, Any] = {}  # logged name -> the warnings filter this run installed for it
 
     # hooks ------------------------------------------------------------------------------------------------------
@@ -133,17 +145,18 @@ class GatherForMetrics(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # a new run may be on another device and must not see the previous run's samples
         self._copies, self._collected, self._windows, self._window_sizes, self._loader_batch_sizes = {}, {}, {}, {}, {}
+        self._uneven = {}
         for run_stage in _RUN_STAGES.get(stage, ()):
             self.states.pop(run_stage, None)
             self.results.pop(run_stage, None)
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._epoch_start("validate")
+        self._epoch_start(trainer, "validate")
 
     @override
     def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._epoch_start("test")
+        self._epoch_start(trainer, "test")
 
     @override
     def on_validation_batch_start(
@@ -214,8 +227,9 @@ class GatherForMetrics(Callback):
                 f"GatherForMetrics has not seen a {stage} batch from dataloader {dataloader_idx} this epoch."
             ) from None
 
-    def _epoch_start(self, stage: str) -> None:
+    def _epoch_start(self, trainer: Trainer, stage: str) -> None:
         self.states[stage] = {}
+        self._uneven[stage] = self._uneven_dataloaders(trainer, stage)
         for per_key in (self._collected, self._windows):
             for key in [k for k in per_key if k[0] == stage]:
                 del per_key[key]
@@ -225,19 +239,51 @@ class GatherForMetrics(Callback):
                     if isinstance(metric, _STATEFUL):
                         metric.reset()
 
+    def _uneven_dataloaders(self, trainer: Trainer, stage: str) -> set[int]:
+        """The dataloaders of this epoch whose ranks run different numbers of batches, or cannot count them.
+
+        Only shards in which every sample is real may (:attr:`GatherState.batches_may_differ`); their counts are agreed
+        in one object gather, made only when there is such a dataloader (every rank reads the same kinds of
+        dataloaders, so every rank decides alike) and the callback gathers outputs at all.
+        """
+        if not self.metrics or not is_distributed():
+            return set()
+        loaders = self._dataloaders(trainer, stage)
+        candidates = [
+            idx
+            for idx, loader in enumerate(loaders)
+            if GatherState.from_dataloader(loader, name=f"{stage} dataloader {idx}").batches_may_differ
+        ]
+        if not candidates:
+            return set()
+        if stage == "test":
+            counts = trainer.num_test_batches
+        else:
+            counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+        by_rank = values_by_rank([float(counts[idx]) for idx in candidates])
+        return {
+            idx
+            for column, idx in enumerate(candidates)
+            if any(rank[column] != by_rank[0][column] or math.isinf(rank[column]) for rank in by_rank)
+        }
+
+    def _new_state(self, trainer: Trainer, stage: str, dataloader_idx: int) -> GatherState:
+        """The accounting of one dataloader for this epoch, read from it (and its batch size, for "auto" windows)."""
+        loader = self._dataloader(trainer, stage, dataloader_idx)
+        state = GatherState.from_dataloader(loader, name=f"{stage} dataloader {dataloader_idx}")
+        self.states.setdefault(stage, {})[dataloader_idx] = state
+        batch_size = getattr(loader, "batch_size", None)
+        if batch_size is None and state.item_sizes is not None:  # a BatchSampler given as sampler=
+            batch_size = state.item_sizes[0]
+        self._loader_batch_sizes[(stage, dataloader_idx)] = (
+            batch_size if isinstance(batch_size, int) and batch_size > 0 else None
+        )
+        return state
+
     def _batch_start(self, trainer: Trainer, stage: str, batch: Any, dataloader_idx: int) -> None:
-        states = self.states.setdefault(stage, {})
-        state = states.get(dataloader_idx)
+        state = self.states.setdefault(stage, {}).get(dataloader_idx)
         if state is None:
-            loader = self._dataloader(trainer, stage, dataloader_idx)
-            state = GatherState.from_dataloader(loader, name=f"{stage} dataloader {dataloader_idx}")
-            states[dataloader_idx] = state
-            batch_size = getattr(loader, "batch_size", None)
-            if batch_size is None and state.item_sizes is not None:  # a BatchSampler given as sampler=
-                batch_size = state.item_sizes[0]
-            self._loader_batch_sizes[(stage, dataloader_idx)] = (
-                batch_size if isinstance(batch_size, int) and batch_size > 0 else None
-            )
+            state = self._new_state(trainer, stage, dataloader_idx)
         state.begin_item(batch)
         set_current_state(state)
 
@@ -265,8 +311,11 @@ class GatherForMetrics(Callback):
         )
         window = self._windows.get(key)
         if window is not None and kept is not None and not window.fits(kept):
-            self._gather_window(pl_module, stage, dataloader_idx)
-            window = None
+            if dataloader_idx in self._uneven.get(stage, ()):  # a gather here would be on this rank only
+                problem, kept = _changing_outputs_problem(stage), None
+            else:
+                self._gather_window(pl_module, stage, dataloader_idx)
+                window = None
         if window is None:
             window = self._windows[key] = BatchWindow(first_sample=state.batch_start)
         batch_size = self._loader_batch_sizes.get(key)
@@ -283,6 +332,8 @@ class GatherForMetrics(Callback):
 
     def _window_size(self, key: tuple[str, int]) -> float:
         """Batches the open window of ``key`` holds before it is gathered (the same on every rank)."""
+        if key[1] in self._uneven.get(key[0], ()):
+            return float("inf")  # gathered at the end of the epoch, which every rank reaches
         if self.gather_every == "batch":
             return 1
         if self.gather_every == "epoch":
@@ -314,6 +365,39 @@ class GatherForMetrics(Callback):
                 self.buffer_limit, batches, torch.distributed.get_world_size(), window.batches
             )
 
+    def _uneven_layouts(self, trainer: Trainer, stage: str) -> dict[int, Any]:
+        """Per dataloader of this epoch with uneven batch counts that some rank ran a batch of: the layout of a rank's
+        window, for the ranks without one (None when no rank has outputs, e.g. every step failed). A collective when
+        there is such a dataloader; a rank that ran none of its batches gets its (empty) accounting here, so that
+        every rank checks, gathers and logs the same dataloaders."""
+        uneven = sorted(self._uneven.get(stage, ()))
+        if not uneven:
+            return {}
+        mine = {}
+        for idx in uneven:
+            window = self._windows.get((stage, idx))
+            mine[idx] = (window is not None, window.layout() if window is not None else None)
+        by_rank = values_by_rank(mine)
+        layouts = {}
+        for idx in uneven:
+            entries = [rank[idx] for rank in by_rank]
+            if not any(has_window for has_window, _ in entries):
+                continue  # no rank ran a batch of it: nothing to gather, as for any empty dataloader
+            layouts[idx] = next((layout for _, layout in entries if layout is not None), None)
+            if idx not in self.states[stage]:
+                self._new_state(trainer, stage, idx)
+        return layouts
+
+    def _gather_uneven_window(self, pl_module: LightningModule, stage: str, dataloader_idx: int, layout: Any) -> None:
+        """Gather everything of one dataloader with uneven batch counts (collective, at the end of the epoch; a rank
+        without batches sends empty outputs) and update the metrics once per global batch."""
+        window = self._windows.pop((stage, dataloader_idx), None) or BatchWindow(first_sample=0)
+        batches = window.gather_uneven(
+            self.states[stage][dataloader_idx], layout, pl_module.device, error_type=StepOutputError
+        )
+        for outputs in batches:
+            self._update(pl_module, stage, dataloader_idx, outputs["preds"], outputs["target"])
+
     def _update(self, pl_module: LightningModule, stage: str, dataloader_idx: int, preds: Any, target: Any) -> None:
         """Feed globally gathered, de-duplicated predictions and targets to the metrics."""
         copies = self._metric_copies(stage, dataloader_idx, pl_module.device)
@@ -328,7 +412,8 @@ class GatherForMetrics(Callback):
                 metric.update(preds, target)
 
     def _epoch_end(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        states = self.states.get(stage, {})
+        states = self.states.setdefault(stage, {})
+        uneven_layouts = self._uneven_layouts(trainer, stage)
         limit = trainer.limit_val_batches if stage == "validate" else trainer.limit_test_batches
         complete = not trainer.sanity_checking and isinstance(limit, float) and limit == 1.0
         for idx in sorted(states):
@@ -336,7 +421,10 @@ class GatherForMetrics(Callback):
         if not self.metrics:
             return
         for idx in sorted(states):
-            self._gather_window(pl_module, stage, idx)
+            if idx in uneven_layouts:
+                self._gather_uneven_window(pl_module, stage, idx, uneven_layouts[idx])
+            else:
+                self._gather_window(pl_module, stage, idx)
         results: dict[str, Any] = {}
         several = len(self._dataloaders(trainer, stage)) > 1
         for idx in sorted(states):
@@ -438,6 +526,15 @@ class GatherForMetrics(Callback):
         state = current_state()
         if state is not None and any(state is s for states in self.states.values() for s in states.values()):
             set_current_state(None)
+
+
+def _changing_outputs_problem(stage: str) -> str:
+    step = "validation_step" if stage == "validate" else "test_step"
+    return (
+        f"GatherForMetrics: {step} returned predictions or targets whose dtype or shape beyond dim 0 changed between "
+        "batches of a dataloader whose ranks run different numbers of batches; its outputs are gathered once at the "
+        "end of the epoch, so they must keep one dtype and shape: pad them to a fixed size in the step."
+    )
 
 
 def _disable_sync(metric: Metric | MetricCollection) -> None:

@@ -20,6 +20,7 @@ __all__ = [
     "LightspeedError",
     "MemoryPlanError",
     "StepOutputError",
+    "UnevenEvaluationError",
     "UnsupportedOffloadOptimizerError",
     "WorldSizeMismatchError",
 ]
@@ -56,6 +57,11 @@ class WorldSizeMismatchError(LightspeedError, ValueError):
 
 class CollectiveTimeoutError(LightspeedError, RuntimeError):
     """A collective did not complete within the process group's timeout; names the collective and missing ranks."""
+
+
+class UnevenEvaluationError(LightspeedError, RuntimeError):
+    """Ranks would run different numbers of evaluation batches on a ZeRO-3 model that cannot be gathered whole, so a
+    rank that runs out of batches would leave the others waiting in their next forward pass."""
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

@@ -8,9 +8,11 @@ raises, or none does.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.distributed as dist
 
-__all__ = ["global_rank", "is_distributed", "raise_on_every_rank"]
+__all__ = ["global_rank", "is_distributed", "raise_on_every_rank", "values_by_rank"]
 
 
 def is_distributed() -> bool:
@@ -21,6 +23,16 @@ def is_distributed() -> bool:
 def global_rank() -> int:
     """This process's rank in the default process group (0 without one)."""
     return dist.get_rank() if is_distributed() else 0
+
+
+def values_by_rank(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order (a collective: every rank must call it); ``[value]`` without
+    a process group of several ranks."""
+    if not is_distributed():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def raise_on_every_rank(

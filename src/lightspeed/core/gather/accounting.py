@@ -24,6 +24,11 @@ The rules (what counts as real, and in which order gathered samples come back):
   ``Subset``): every sample is real and taken as that rank's shard. If every rank iterates the whole dataset,
   the gathered result holds ``world_size`` copies; that is the data the ranks produced.
 
+In these last two layouts (:attr:`GatherState.batches_may_differ`) the ranks may also run different numbers of
+batches: the gathers compare only which call each rank is in, not its batch number, so one gather of everything after
+the loop (or at the end of the epoch) works, while a gather per batch still meets a rank that has finished (a
+``CallSiteMismatch`` on every rank).
+
 **Where the DistributedSampler is found** (:func:`find_distributed_sampler`): anywhere in the chain of samplers and
 batch samplers the dataloader draws from, through the attributes ``sampler``, ``batch_sampler``,
 ``_batch_sampler``, ``base_sampler`` and ``_sampler`` (torch's ``BatchSampler``, Lightning's index wrappers,
@@ -181,6 +186,13 @@ class GatherState:
         state = cls("shards", rank, world_size, None, None, source=source, name=name)
         state.check_replicated, state.dataset_kind = check, "map"
         return state
+
+    @property
+    def batches_may_differ(self) -> bool:
+        """Whether ranks may run different numbers of batches of this dataloader: shards in which every sample is real
+        (no DistributedSampler and no total length to pad to), so the gathers compare no batch numbers, only which call
+        each rank is in."""
+        return self.layout == "shards" and self.real_samples is None
 
     # progress -------------------------------------------------------------------------------------------------
 

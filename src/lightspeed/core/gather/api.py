@@ -124,8 +124,8 @@ def track(dataloader: Iterable[Any], state: GatherState | None = None) -> Iterat
     ``for x, y in lightspeed.track(loader): gather_for_metrics(model(x))`` drops the sampler's duplicates without
     Lightning. The state is read from the dataloader unless one is given, and is also found by
     ``gather_for_metrics(..., dataloader=loader)``. When the loop runs out, every rank checks that the others ran the
-    same number of batches (:func:`end_of_dataloader`); the state stays current afterwards, so one gather of
-    everything the loop produced also works.
+    same number of batches (:func:`end_of_dataloader`; shards without padding may differ); the state stays current
+    afterwards, so one gather of everything the loop produced also works.
     """
     state = state if state is not None else GatherState.from_dataloader(dataloader)
     state.reset()
@@ -143,7 +143,8 @@ def track(dataloader: Iterable[Any], state: GatherState | None = None) -> Iterat
 
 
 def end_of_dataloader(state: GatherState, complete: bool = True) -> int:
-    """Collective check at the end of a dataloader: every rank ran the same number of batches.
+    """Collective check at the end of a dataloader: every rank ran the same number of batches (except for shards whose
+    every sample is real, :attr:`GatherState.batches_may_differ`: a rank that ran fewer batches has fewer samples).
 
     Returns the number of real samples all ranks produced. With ``complete=True`` (the loop was not cut short)
     an IterableDataset with ``__len__`` must have yielded all ``len(dataset)`` real samples; otherwise its shards
@@ -157,7 +158,7 @@ def end_of_dataloader(state: GatherState, complete: bool = True) -> int:
     counts, _ = agree(
         "gather_for_metrics",
         [state.describe()],
-        (CallSite.END, state.batches),
+        (CallSite.END, 0 if state.batches_may_differ else state.batches),
         site_text,
         state.problem,
         payload=[state.seen, own_real, state.take_fingerprint()],
@@ -287,7 +288,9 @@ def _exchange(
     Returns every rank's rows per leaf with samples (by leaf index) and every rank's packed tensor bytes.
     """
     site = gather_site(state)
-    site_text = f"gather_for_metrics in batch {site[1]} of {state.name}" if state is not None else "gather_for_metrics"
+    site_text = (
+        f"gather_for_metrics in batch {state.batches} of {state.name}" if state is not None else "gather_for_metrics"
+    )
     signature = [leaf.describe() for leaf in leaves] + ([] if state is None else [state.describe()])
     wire = [tensor.to(wire_dtype(code, tensor.dtype)) for _, tensor, code in sent]
     fingerprint = state.take_fingerprint() if state is not None else 0

@@ -221,7 +221,9 @@ def describe_disagreement(what: str, details: Sequence[tuple[list[str], str, str
         return (
             f"{what}: the ranks are not in the same call ({listing}). Every rank must run the same number of "
             "evaluation batches and make the same gathers; an IterableDataset must yield the same number of batches "
-            "on every rank (pad the shards and give the dataset a __len__ with the true total)."
+            "on every rank (pad the shards and give the dataset a __len__ with the true total). Shards without "
+            "padding may differ in batches if every rank gathers once after its loop (GatherForMetrics does that "
+            "itself)."
         )
 
     def split(signature: list[str]) -> tuple[list[str], list[str]]:
@@ -269,8 +271,9 @@ def all_gather_ints(values: Sequence[int]) -> list[list[int]]:
 
 
 def gather_site(state: GatherState | None) -> tuple[int, int]:
-    """The call site of a ``gather_for_metrics`` call: which batch of its dataloader it gathers (0 without a state)."""
-    return (CallSite.GATHER, state.batches if state is not None else 0)
+    """The call site of a ``gather_for_metrics`` call: which batch of its dataloader it gathers (0 without a state, and
+    for shards whose ranks may run different numbers of batches, see :attr:`GatherState.batches_may_differ`)."""
+    return (CallSite.GATHER, state.batches if state is not None and not state.batches_may_differ else 0)
 
 
 def fail_gather(error: GatherError, state: GatherState | None = None) -> NoReturn:

@@ -10,7 +10,8 @@ worker in turn, yields the rank's samples in order).
 When the total number of samples is known (``len(dataset)`` or ``length=``), every rank yields the same number of
 samples, ``ceil(total / W)``: a rank with one sample fewer repeats the stream's first sample at its end, and the
 wrapper's ``len()`` is the total, so :func:`lightspeed.gather_for_metrics` drops exactly that padding. Without a
-total nothing is padded and ranks may run different numbers of batches (which the gathers report as an error).
+total nothing is padded and ranks may run different numbers of batches: a gather per batch then meets a rank that
+has finished (an error on every rank), a gather of everything after the loop does not.
 """
 
 from __future__ import annotations

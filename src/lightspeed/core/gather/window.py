@@ -90,6 +90,48 @@ class BatchWindow:
         numbers = gathered.pop(_BATCH_KEY)
         return split_by_batch(gathered, numbers)
 
+    def layout(self) -> dict[str, Any] | None:
+        """What another rank needs to send empty outputs in this window's place (:meth:`gather_uneven`): per output,
+        ``(dtype, trailing dims)`` of a tensor or the sequence type of per-sample objects; None before the first batch.
+        Picklable, without devices (each rank's outputs live on its own)."""
+        if self._layout is None:
+            return None
+        return {name: (kind[0], kind[2]) if isinstance(kind, tuple) else kind for name, kind in self._layout.items()}
+
+    def gather_uneven(
+        self,
+        state: GatherState,
+        layout: Mapping[str, Any] | None,
+        device: torch.device,
+        error_type: type[GatherError] = GatherError,
+    ) -> list[dict[str, Any]]:
+        """Gather a window whose number of batches may differ between the ranks, down to none (collective: every rank
+        calls it, with or without batches).
+
+        Every rank sends its samples' batch numbers, so that the result is split into the same global batches on every
+        rank (batch ``i`` holds every rank's ``i``-th batch). A window without batches sends empty outputs made from
+        ``layout`` (the :meth:`layout` of a window on another rank, or None when no rank has outputs) on ``device``.
+        """
+        if self.problem is not None:
+            fail_gather(error_type(self.problem), state)
+        if self._outputs:
+            data = {name: concat_samples([o[name] for o in self._outputs]) for name in self._outputs[0]}
+            numbers = torch.cat(self._numbers)
+        else:
+            data = {name: _empty(kind, device) for name, kind in (layout or {}).items()}
+            numbers = torch.zeros(0, dtype=torch.int32)
+        data[_BATCH_KEY] = numbers
+        gathered = gather_for_metrics(data, state=state, first_sample=self.first_sample)
+        return split_by_batch(gathered, gathered.pop(_BATCH_KEY))
+
+
+def _empty(kind: Any, device: torch.device) -> Any:
+    """No samples of one output described by :meth:`BatchWindow.layout`."""
+    if isinstance(kind, tuple):
+        dtype, trailing = kind
+        return torch.empty((0, *trailing), dtype=dtype, device=device)
+    return kind()
+
 
 def split_by_batch(outputs: Mapping[str, Any], numbers: torch.Tensor) -> list[dict[str, Any]]:
     """Split gathered outputs into batches by each sample's batch number, keeping the order within a batch."""

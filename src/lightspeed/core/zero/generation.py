@@ -7,7 +7,10 @@ forever. HuggingFace's ``generate`` keeps going with dummy forward passes until 
 with ``synced_gpus=True``, which users have to know to pass. :func:`keep_generation_in_step` makes it the default for
 every ``generate`` method of a model's modules while their parameters are partitioned over several processes, and
 refuses ``synced_gpus=False`` there. :func:`gathered_for_generation` gathers the parameters once for a whole
-generation instead of once per token, when memory allows.
+generation instead of once per token, when memory allows. Inside :func:`forward_without_collectives` (what
+:func:`~lightspeed.core.zero.evaluation.gathered_for_evaluation` opens when the ranks run different numbers of
+evaluation batches) the parameters are already whole and forward passes make no collective, so ``generate`` runs
+without ``synced_gpus`` (unless it is passed) and ``gathered_for_generation`` gathers nothing more.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from torch import nn
 __all__ = [
     "GATHER_MEMORY_SHARE",
     "SYNCED_GPUS_FALSE_ERROR",
+    "forward_without_collectives",
     "gathered_for_generation",
     "keep_generation_in_step",
     "partitioned_over_ranks",
+    "runs_without_collectives",
 ]
 
 SYNCED_GPUS_FALSE_ERROR = (
@@ -47,6 +52,55 @@ def partitioned_over_ranks(module: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
+#: > 0 inside :func:`forward_without_collectives`: forward passes of partitioned models make no collective
+_collective_free = 0
+
+
+@contextlib.contextmanager
+def forward_without_collectives() -> Iterator[None]:
+    """Within the block, ZeRO-3 forward passes make no collective, for models whose parameters are held whole.
+
+    DeepSpeed's parameter coordinator starts every forward pass (``reset_step``) by broadcasting the order in which the
+    modules fetched their parameters, until it has recorded that order; ranks that run different numbers of forward
+    passes cannot make those broadcasts. With every parameter gathered there is nothing to fetch or prefetch and the
+    order does not matter, so ``reset_step`` does nothing inside. Afterwards every coordinator a forward pass reached
+    drops its trace (a local change, no collective, so also safe when the block ends on one rank by an exception) and
+    records it again in the next forward pass, on every rank alike.
+
+    Generation inside needs no ``synced_gpus`` then (each rank generates on its own, so ranks that run different
+    numbers of batches do not wait for each other in it), and :func:`gathered_for_generation` no gather.
+    """
+    global _collective_free
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+
+    reached: list[Any] = []
+    originals = {name: Coordinator.__dict__[name] for name in ("reset_step", "trace_prologue")}
+
+    def note(coordinator: Any) -> None:
+        if all(coordinator is not seen for seen in reached):
+            reached.append(coordinator)
+
+    def reset_step(self: Any) -> None:
+        note(self)
+
+    def trace_prologue(self: Any, sub_module: nn.Module) -> None:
+        note(self)
+        originals["trace_prologue"](self, sub_module)
+
+    Coordinator.reset_step = reset_step
+    Coordinator.trace_prologue = trace_prologue
+    _collective_free += 1
+    try:
+        yield
+    finally:
+        _collective_free -= 1
+        for name, original in originals.items():
+            setattr(Coordinator, name, original)
+        for coordinator in reached:
+            if not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
+
+
 def _takes_synced_gpus(method: Callable[..., Any]) -> bool:
     try:
         parameters = inspect.signature(method).parameters
@@ -56,15 +110,20 @@ def _takes_synced_gpus(method: Callable[..., Any]) -> bool:
 
 
 def _in_step(module: nn.Module, generate: Callable[..., Any]) -> Callable[..., Any]:
-    """``generate`` with ``synced_gpus=True`` while ``module`` is partitioned over ranks, bound to ``module`` as a
-    method (Fabric's ``mark_forward_method("generate")`` accepts only methods)."""
+    """``generate`` with ``synced_gpus=True`` while ``module`` is partitioned over ranks (``False`` when not given
+    while its forward passes make no collective), bound to ``module`` as a method (Fabric's
+    ``mark_forward_method("generate")`` accepts only methods)."""
 
     @functools.wraps(generate)
     def generate_in_step(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if partitioned_over_ranks(self):
-            if kwargs.get("synced_gpus") is False:
+            if runs_without_collectives(self):
+                if kwargs.get("synced_gpus") is None:  # forward passes make no collective: no need to stay in step
+                    kwargs["synced_gpus"] = False
+            elif kwargs.get("synced_gpus") is False:
                 raise ValueError(SYNCED_GPUS_FALSE_ERROR.format(world=torch.distributed.get_world_size()))
-            kwargs["synced_gpus"] = True
+            else:
+                kwargs["synced_gpus"] = True
         return generate(*args, **kwargs)
 
     generate_in_step.__lightspeed_in_step__ = True  # type: ignore[attr-defined]
@@ -111,18 +170,33 @@ def _fits_whole(params: list[torch.nn.Parameter], device: torch.device) -> bool:
     return all(verdicts)
 
 
+def runs_without_collectives(module: nn.Module) -> bool:
+    """Whether ``module``'s forward passes make no collective: inside :func:`forward_without_collectives`, with every
+    ZeRO-3 parameter held whole by a gathered block."""
+    return bool(_collective_free) and all(
+        _GENERATION_HOLD in p.ds_active_sub_modules  # type: ignore[attr-defined]
+        for p in module.parameters()
+        if hasattr(p, "ds_id")
+    )
+
+
 @contextlib.contextmanager
 def gathered_for_generation(model: nn.Module, enabled: bool | str = "auto") -> Iterator[bool]:
     """Within the block, ``model``'s ZeRO-3 parameters are gathered once and stay whole, so generation does not gather
     them again for every token (a collective: every rank enters it). Yields whether it gathered: ``enabled="auto"``
     gathers when the whole model takes at most half of every rank's free memory, ``True`` always, ``False`` never; a
     model that is not partitioned over several ranks is left as it is. Generation inside still passes
-    ``synced_gpus=True`` (cheap: one flag per token), so ranks that stop at different steps stay in step."""
+    ``synced_gpus=True`` (cheap: one flag per token), so ranks that stop at different steps stay in step. Inside
+    :func:`forward_without_collectives` (an evaluation with different batch counts per rank, model already whole) it
+    yields True at once, without a collective."""
     if enabled not in (True, False, "auto"):
         raise ValueError(f'gathered_for_generation(enabled=...) takes True, False or "auto"; got {enabled!r}.')
     params = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if not enabled or not partitioned_over_ranks(model):
         yield False
+        return
+    if runs_without_collectives(model):
+        yield True  # inside gathered_for_evaluation: already whole, and gathering again would be a collective
         return
     # DeepSpeed gathers onto the compute device, also for parameters offloaded to the CPU
     on_cuda = torch.cuda.is_available() and torch.distributed.get_backend() == "nccl"
