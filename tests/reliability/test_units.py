@@ -84,6 +84,16 @@ def test_a_restored_position_is_dropped_when_the_epoch_moved_on() -> None:
     assert len(list(resumed)) == 8
 
 
+def test_a_position_in_an_epoch_the_loop_counts_as_finished_is_dropped_with_a_warning() -> None:
+    saved = _sampler(16, 2, 0, batches_done=1)  # `max_steps` ended epoch 0 after one batch; fit returned, then saved
+    state = saved.state_dict()
+    resumed = _sampler(16, 2, 0)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(1)  # Lightning resumes at the next epoch
+    with pytest.warns(UserWarning, match=r"stopped epoch 0 after 4 of its 16 samples, but training resumes at epoch 1"):
+        assert len(list(resumed)) == 8
+
+
 def test_a_restored_position_from_other_data_is_refused() -> None:
     state = _sampler(16, 2, 0).state_dict()
     with pytest.raises(ValueError, match="had 16 samples, this run's has 20"):

@@ -12,6 +12,7 @@ number of processes: rank ``r`` of ``R`` takes the rest of the epoch's global or
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sized
 from typing import Any, cast
 
@@ -89,6 +90,15 @@ class ResumableDistributedSampler(DistributedSampler):
             self._resume = None  # only the first iteration after a restore resumes mid-epoch
             if epoch == self.epoch:
                 skip = samples
+            elif epoch < self.epoch and samples < self.total_size:
+                warnings.warn(
+                    f"lightspeed: the checkpoint stopped epoch {epoch} after {samples} of its {self.total_size} "
+                    f"samples, but training resumes at epoch {self.epoch}, so the rest of epoch {epoch} is not trained "
+                    "(Lightning counts an epoch that `max_steps` ended as finished, and a checkpoint saved after "
+                    "`fit` returned says so). For an exact continuation, resume from a checkpoint saved during "
+                    "training, e.g. `ModelCheckpoint(every_n_train_steps=...)`.",
+                    stacklevel=2,
+                )
         order = self._epoch_order()[skip:]
         return iter(order[self.rank :: self.num_replicas])
 
