@@ -53,7 +53,9 @@ class ZeroExport(Callback):
     """Export the model of a DeepSpeed/ZeRO strategy to safetensors in ``dirpath``.
 
     Args:
-        dirpath: output directory (replaced atomically by every export).
+        dirpath: output directory (replaced atomically by every export). With several models
+            (``ZeroStrategy(models=...)``) each trained model goes to ``dirpath/<name>/`` (each replaced atomically);
+            frozen models are not written.
         dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` for floating tensors.
         max_shard_size: largest shard, e.g. ``"2GB"``; None writes one file.
         exclude_frozen: leave out parameters with ``requires_grad=False``.
@@ -93,6 +95,7 @@ class ZeroExport(Callback):
         self._written = False
         self.export_count = 0  # exports written by this callback (per process; every rank takes part)
         self.last_result: ExportResult | None = None
+        self.last_results: dict[str, ExportResult | None] = {}  # per model ("" for the one model of one engine)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -109,28 +112,33 @@ class ZeroExport(Callback):
         check_output_dir_on_every_rank(self.dirpath, self.options.overwrite)
 
     def _export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reason: str) -> None:
-        engine = trainer.strategy.deepspeed_engine  # type: ignore[attr-defined]  # checked in setup
-        if engine is None:
+        strategy = trainer.strategy
+        # several models, one engine each (ZeroStrategy(models=...)): every trained model into its own folder
+        engines: dict[str, Any] = dict(getattr(strategy, "trained_models", {}))
+        if not getattr(strategy, "several_models", False):
+            engines = {"": strategy.deepspeed_engine}  # type: ignore[attr-defined]  # checked in setup
+        if any(engine is None for engine in engines.values()):
             raise ExportError("ZeroExport: the DeepSpeed engine is not set up; the export runs during fit only")
-        options = self.options
-        if self._hf_config_from_model:
-            options = dataclasses.replace(options, hf_config=find_hf_config(pl_module, options.strip_prefix))
-        if self._written:  # once this run has written dirpath, later exports replace it
-            options = dataclasses.replace(options, overwrite=True)
-        self.last_result = export_engine(
-            engine,
-            self.dirpath,
-            options,
-            source={"global_step": trainer.global_step, "epoch": trainer.current_epoch, "reason": reason},
-        )
+        source = {"global_step": trainer.global_step, "epoch": trainer.current_epoch, "reason": reason}
+        results = {}
+        for name, engine in engines.items():
+            options = self.options
+            if self._hf_config_from_model:
+                model = engine.module if name else pl_module
+                options = dataclasses.replace(options, hf_config=find_hf_config(model, options.strip_prefix))
+            if self._written:  # once this run has written dirpath, later exports replace it
+                options = dataclasses.replace(options, overwrite=True)
+            results[name] = export_engine(engine, self.dirpath / name, options, source=source)
+        self.last_results = results
+        self.last_result = results[next(iter(results))]
         self._written = True
         self.export_count += 1
-        if trainer.is_global_zero and self.last_result is not None:
-            result = self.last_result
-            rank_zero_info(
-                f"ZeroExport: wrote {result.num_tensors} tensors ({result.total_bytes / 1e6:.1f} MB) "
-                f"to {self.dirpath} at step {trainer.global_step}"
-            )
+        for name, result in results.items():
+            if trainer.is_global_zero and result is not None:
+                rank_zero_info(
+                    f"ZeroExport: wrote {result.num_tensors} tensors ({result.total_bytes / 1e6:.1f} MB) "
+                    f"to {self.dirpath / name} at step {trainer.global_step}"
+                )
 
     @override
     def on_save_checkpoint(

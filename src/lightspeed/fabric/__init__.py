@@ -4,14 +4,15 @@ complete checkpoint (:func:`last_checkpoint`), and with them ``lightspeed.gather
 for what ``fabric.save`` wrote.
 
 The modules mirror :mod:`lightspeed.strategies` file for file (``zero``, ``zero_auto``, ``ddp_exact``,
-``exact_accumulation``, ``process_group``); both call the same core. ``import lightspeed`` registers the names
-(:func:`register_fabric_strategies`).
+``exact_accumulation``, ``process_group``, ``several_models``); both call the same core. ``import lightspeed``
+registers the names (:func:`register_fabric_strategies`).
 """
 
 from lightspeed.fabric.ddp_exact import DDPExactFabricStrategy
 from lightspeed.fabric.exact_accumulation import AccumulationStep, accumulate
 from lightspeed.fabric.last_checkpoint import last_checkpoint
 from lightspeed.fabric.registration import register_fabric_strategies
+from lightspeed.fabric.several_models import model_options
 from lightspeed.fabric.zero import ZeroFabricStrategy, config_optimizer
 from lightspeed.fabric.zero_auto import ZeroAutoFabricStrategy
 
@@ -23,5 +24,6 @@ __all__ = [
     "accumulate",
     "config_optimizer",
     "last_checkpoint",
+    "model_options",
     "register_fabric_strategies",
 ]

@@ -107,8 +107,9 @@ class _Driver:
 
     @property
     def engine(self) -> Any:
+        """The engine of the model being accumulated (with several models, not the last one set up)."""
         assert self.zero is not None
-        return self.zero.model
+        return self.zero._engine_for(getattr(self.model, "_forward_module", None))
 
     def begin(self) -> None:
         if self.zero is None:
@@ -162,7 +163,7 @@ class _Driver:
             factor = self.accumulator.window_factor()
             step.factor = factor
             if self.zero is not None:
-                self.zero.scale_next_step(factor)
+                self.zero.scale_next_step(factor, self.engine)
             else:
                 scale_gradients(self.model.parameters(), factor)
 

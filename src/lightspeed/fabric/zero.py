@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -61,6 +61,7 @@ from lightspeed.core.zero.accumulation import (
     scale_deepspeed_gradients_at_step,
     set_deepspeed_boundary,
 )
+from lightspeed.core.zero.activation_checkpointing import apply_policy, configure_deepspeed_checkpointing
 from lightspeed.core.zero.compile import (
     CompileRequest,
     check_compile_supported,
@@ -80,6 +81,7 @@ from lightspeed.core.zero.config import (
     find_hidden_size,
     resolve_config_with_notes,
 )
+from lightspeed.core.zero.config.activation import Policy
 from lightspeed.core.zero.engine import (
     initialize_engine,
     one_optimizer_error,
@@ -90,8 +92,10 @@ from lightspeed.core.zero.engine import (
 from lightspeed.core.zero.generation import keep_generation_in_step
 from lightspeed.core.zero.runtime import check_precision_supported, export_deepspeed_accelerator, zero_device_kind
 from lightspeed.core.zero.schedulable import make_schedulable
+from lightspeed.core.zero.several_models import ModelRecipe
 from lightspeed.core.zero.weights import load_full_state_dict
 from lightspeed.fabric.process_group import ProcessGroupMixin
+from lightspeed.fabric.several_models import SeveralModelsMixin
 from lightspeed.fabric.zero_models import ZeroModelsMixin
 from lightspeed.strategies.launchers import check_world_matches
 
@@ -152,10 +156,6 @@ _CONFIG_KEYWORDS = (
     "loss_scale_window",
     "hysteresis",
     "min_loss_scale",
-    "partition_activations",
-    "cpu_checkpointing",
-    "contiguous_memory_optimization",
-    "synchronize_checkpoint_boundary",
 )
 
 
@@ -176,7 +176,9 @@ def unknown_keywords_error(cls_name: str, keywords: dict[str, Any]) -> TypeError
         + "\n  - ".join(lines)
         + f"\n{cls_name} takes: stage, offload_optimizer, offload_parameters, nvme_path, pin_memory, "
         "reduce_bucket_size, allgather_bucket_size, prefetch_bucket_size, param_persistence_threshold, "
-        "sub_group_size, config, accelerator, parallel_devices, cluster_environment, precision, "
+        "sub_group_size, activation_checkpointing_policy, partition_activations, cpu_checkpointing, "
+        "contiguous_memory_optimization, number_checkpoints, synchronize_checkpoint_boundary, profile, config, "
+        "accelerator, parallel_devices, cluster_environment, precision, "
         "process_group_backend, timeout, logging_level, exclude_frozen_parameters, load_full_weights, "
         "node_local_storage, compile, compile_kwargs."
     )
@@ -209,7 +211,9 @@ def _inside_the_window(engine: Any) -> Iterator[None]:
         set_deepspeed_boundary(engine, True)
 
 
-class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixin, DeepSpeedStrategy):
+class ZeroFabricStrategy(
+    ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixin, SeveralModelsMixin, DeepSpeedStrategy
+):
     """DeepSpeed ZeRO for Lightning Fabric, on ``accelerator="cuda"`` (nccl) and ``accelerator="cpu"`` (gloo).
 
     ``import lightspeed`` registers it for Fabric under the Trainer strategies' names (``zero1`` ... ``zero3_nvme``):
@@ -222,6 +226,11 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
         nvme_path: directory for NVMe offload; defaults to ``$LIGHTSPEED_NVME_PATH``.
         pin_memory, reduce_bucket_size, allgather_bucket_size, prefetch_bucket_size, param_persistence_threshold,
             sub_group_size: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
+        activation_checkpointing_policy: module classes (a set, e.g. ``{Block}``) whose instances' forward runs under
+            ``deepspeed.checkpointing.checkpoint`` in training, applied at ``fabric.setup`` before the engine is built.
+        partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
+            synchronize_checkpoint_boundary, profile: DeepSpeed's ``activation_checkpointing`` section, ``"auto"``
+            resolved as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
         config: DeepSpeed config dict or JSON path merged over the preset (its values win); unknown keys and values
             that contradict Fabric's settings are errors.
         exclude_frozen_parameters: leave frozen parameters out of checkpoints.
@@ -250,6 +259,13 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
         prefetch_bucket_size: int | str = "auto",
         param_persistence_threshold: int | str = "auto",
         sub_group_size: int | None = None,
+        activation_checkpointing_policy: Collection[type[Module]] | type[Module] | None = None,
+        partition_activations: bool | str = "auto",
+        cpu_checkpointing: bool | str = "auto",
+        contiguous_memory_optimization: bool | str = "auto",
+        number_checkpoints: int | None = None,
+        synchronize_checkpoint_boundary: bool = False,
+        profile: bool = False,
         config: _PATH | dict[str, Any] | None = None,
         accelerator: Any | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -267,20 +283,28 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
     ) -> None:
         if unsupported:
             raise unknown_keywords_error(type(self).__name__, unsupported)
+        tuning = ZeroTuning(
+            pin_memory=pin_memory,
+            reduce_bucket_size=reduce_bucket_size,
+            allgather_bucket_size=allgather_bucket_size,
+            prefetch_bucket_size=prefetch_bucket_size,
+            param_persistence_threshold=param_persistence_threshold,
+            sub_group_size=sub_group_size,
+            partition_activations=partition_activations,
+            cpu_checkpointing=cpu_checkpointing,
+            contiguous_memory_optimization=contiguous_memory_optimization,
+            number_checkpoints=number_checkpoints,
+            synchronize_checkpoint_boundary=synchronize_checkpoint_boundary,
+            profile=profile,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+        )
         recipe = build_zero_config(
             stage,
             offload_optimizer,
             offload_parameters,
             nvme_path=nvme_path,
             user_config=config,
-            tuning=ZeroTuning(
-                pin_memory=pin_memory,
-                reduce_bucket_size=reduce_bucket_size,
-                allgather_bucket_size=allgather_bucket_size,
-                prefetch_bucket_size=prefetch_bucket_size,
-                param_persistence_threshold=param_persistence_threshold,
-                sub_group_size=sub_group_size,
-            ),
+            tuning=tuning,
             front_end="Fabric",
         )
         self._init_lightning(
@@ -297,7 +321,18 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
             node_local_storage=node_local_storage,
             compile=compile,
             compile_kwargs=compile_kwargs,
+            activation_checkpointing_policy=tuning.policy,
         )
+        recipe_of_models = ModelRecipe.of(
+            stage,
+            offload_optimizer,
+            offload_parameters,
+            nvme_path=nvme_path,
+            user_config=config,
+            tuning=tuning,
+            front_end="Fabric",
+        )
+        self._init_several_models(recipe_of_models.for_model)
 
     def _init_lightning(
         self,
@@ -306,11 +341,13 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
         node_local_storage: bool = False,
         compile: bool = False,
         compile_kwargs: dict[str, Any] | None = None,
+        activation_checkpointing_policy: Policy | None = None,
         **strategy_kwargs: Any,
     ) -> None:
         """Lightning Fabric's ``DeepSpeedStrategy`` set-up around an already built config (``"auto"`` values kept
         until the process group exists)."""
         self._compile_request = compile_request(compile, compile_kwargs, type(self).__name__)
+        self.activation_checkpointing_policy = activation_checkpointing_policy  # applied before the engine is built
         self._compiled_with: CompileRequest | None = None  # what the last engine was compiled with
         self._compile_hook: RemovableHandle | None = None  # catches Fabric re-applying torch.compile, see below
         if node_local_storage:
@@ -325,6 +362,7 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
         self._step_restores: list[Callable[[], None]] = []  # undo per-step overrides after the next step
         self._pending_norm: torch.Tensor | None = None  # returned by clip_gradients, filled by the next step
         self._config_scheduler: Any = None  # the DeepSpeed config's scheduler, under config_optimizer()
+        self._init_several_models(None)  # ZeroFabricStrategy gives each model's recipe; zero_auto has none
 
     @property
     def accumulation_steps_in_config(self) -> int | None:
@@ -524,6 +562,14 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[DeepSpeedEngine, list[Optimizer], Any]:
+        with self._engine_config(module):
+            engine, returned, deepspeed_scheduler = self._setup_engine(module, optimizers, scheduler)
+            self._record_engine(module, engine, returned[0])
+        return engine, returned, deepspeed_scheduler
+
+    def _setup_engine(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None
+    ) -> tuple[DeepSpeedEngine, list[Optimizer], Any]:
         if len(optimizers) != 1:
             raise one_optimizer_error(f"{len(optimizers)} optimizers", "`fabric.setup` got")
         self._final_config(module)
@@ -539,6 +585,9 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
             optimizer, message = prepare_optimizer(optimizers[0], scheduler, self.config)
             if message is not None:
                 rank_zero_info(message)
+        message = apply_policy(module, self.activation_checkpointing_policy)
+        if message is not None:
+            rank_zero_info(message)
         self._prepare_compile(module)
         engine, deepspeed_optimizer, deepspeed_scheduler = self._initialize_engine(module, optimizer, scheduler)
         if optimizer is None and scheduler is None:
@@ -553,13 +602,20 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
         return engine, [make_schedulable(deepspeed_optimizer)], deepspeed_scheduler
 
     @override
+    def _set_deepspeed_activation_checkpointing(self) -> None:
+        # Lightning's passes 4 of the section's 6 keys to deepspeed.checkpointing.configure, which resets the others
+        configure_deepspeed_checkpointing(self.config)
+
+    @override
     def setup_module(self, module: Module) -> DeepSpeedEngine:
-        self._final_config(module)
-        self._prepare_compile(module)
-        engine, _, _ = self._initialize_engine(module)
-        self._deepspeed_engine = self._with_named_hangs(engine)
-        keep_generation_in_step(module)
-        self._compile_set_up(engine)
+        with self._engine_config(module):
+            self._final_config(module)
+            self._prepare_compile(module)
+            engine, _, _ = self._initialize_engine(module)
+            self._deepspeed_engine = self._with_named_hangs(engine)
+            keep_generation_in_step(module)
+            self._compile_set_up(engine)
+            self._record_engine(module, engine, None)
         return self._deepspeed_engine
 
     @override
@@ -607,10 +663,11 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
             f"`fabric.clip_gradients(model, optimizer, max_norm={clip_val})`."
         )
 
-    def scale_next_step(self, factor: float) -> None:
-        """Multiply the gradients the next ``optimizer.step()`` uses by ``factor`` (inside the ZeRO optimizer, before
-        clipping); used by :func:`lightspeed.fabric.accumulate` to close an exact accumulation window."""
-        self._step_restores.append(scale_deepspeed_gradients_at_step(self.model, factor))
+    def scale_next_step(self, factor: float, engine: Any = None) -> None:
+        """Multiply the gradients the next ``optimizer.step()`` of ``engine`` (default: the last one used) uses by
+        ``factor`` (inside the ZeRO optimizer, before clipping); used by :func:`lightspeed.fabric.accumulate` to close
+        an exact accumulation window."""
+        self._step_restores.append(scale_deepspeed_gradients_at_step(engine or self.model, factor))
 
     @property
     def step_pending(self) -> bool:
@@ -637,7 +694,7 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
         """What ``engine.step()`` does and Fabric's ``optimizer.step()`` bypasses: count the step (a skipped one too, on
         fp16 overflow) and the samples, so checkpoints, their markers and a resumed engine know the step, and step the
         config's scheduler under :func:`config_optimizer`."""
-        engine = self._deepspeed_engine
+        engine = self._engine_stepping(optimizer)
         if engine is None:
             return
         if getattr(optimizer, "overflow", False):
@@ -656,8 +713,9 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
         if measured is None:
             return
         value = float(measured)
-        if self._deepspeed_engine is not None:
-            self._deepspeed_engine._global_grad_norm = value
+        engine = self._engine_stepping(optimizer)
+        if engine is not None:
+            engine._global_grad_norm = value
         if pending is not None:
             pending.fill_(value)
 
@@ -682,12 +740,14 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
                 "(sharded) model and optimizer. Export the weights you need with `lightspeed export` afterwards."
             )
         engines = _get_deepspeed_engines_from_state(state)
-        if len(engines) != 1:
+        if not engines:
             raise ValueError(
-                f"`fabric.save` under ZeRO needs exactly one model set up by `fabric.setup` in the state, found "
-                f"{len(engines)}: pass it as e.g. `fabric.save(path, {{'model': model, 'optimizer': optimizer}})`; "
-                "save several models to separate paths."
+                "`fabric.save` under ZeRO needs the model set up by `fabric.setup` in the state: pass it as e.g. "
+                "`fabric.save(path, {'model': model, 'optimizer': optimizer})`."
             )
+        if len(engines) > 1:
+            self._save_models(self._named_engines(state), self._several_models_target(path), state)
+            return
         engine = engines[0]
         target = self.broadcast(str(path))
         node = None
@@ -778,6 +838,8 @@ class ZeroFabricStrategy(ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixi
         if self.node_local_storage:
             target = node_local_path(target, self.broadcast(os.getcwd()))
         engines = _get_deepspeed_engines_from_state(state) if state else []
+        if len(engines) > 1 and state is not None:
+            return self._load_models(self._named_engines(state), self._several_models_target(path), state, strict)
         engine = engines[0] if len(engines) == 1 else None
         load_policy.check_before_loading(
             target,

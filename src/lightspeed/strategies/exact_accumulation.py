@@ -206,15 +206,25 @@ class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin, _DeepSpeedStrategy
     def handles_gradient_accumulation(self) -> bool:
         return False
 
+    def _engines_in_window(self) -> list[Any]:
+        """The engines whose accumulation window the loop drives (one per trained model)."""
+        return [self.model]
+
+    def _engine_stepping(self, optimizer: Optimizer) -> Any:
+        """The engine that steps ``optimizer``."""
+        return self.model
+
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        set_deepspeed_boundary(self.model, False)
+        for engine in self._engines_in_window():
+            set_deepspeed_boundary(engine, False)
         yield
 
     @override
     def _exact_before_boundary(self) -> None:
-        set_deepspeed_boundary(self.model, True)
+        for engine in self._engines_in_window():
+            set_deepspeed_boundary(engine, True)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -224,7 +234,7 @@ class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin, _DeepSpeedStrategy
 
     @override
     def _exact_scale_gradients(self, optimizer: Optimizer, factor: float) -> None:
-        self._exact_restore = scale_deepspeed_gradients_at_step(self.model, factor)
+        self._exact_restore = scale_deepspeed_gradients_at_step(self._engine_stepping(optimizer), factor)
 
     @override
     def _exact_after_step(self) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +43,7 @@ from lightspeed.core.reliability.node_local import describe_position, node_local
 from lightspeed.core.reliability.staging import StagedCheckpointSaver
 from lightspeed.core.zero import load_policy
 from lightspeed.core.zero import third_party_warnings as _third_party_warnings
+from lightspeed.core.zero.activation_checkpointing import apply_policy, configure_deepspeed_checkpointing
 from lightspeed.core.zero.compile import (
     CompileRequest,
     check_compile_supported,
@@ -58,24 +59,29 @@ from lightspeed.core.zero.config import (
     describe_config,
     resolve_config_with_notes,
 )
+from lightspeed.core.zero.config.activation import Policy
 from lightspeed.core.zero.engine import (
     initialize_engine,
     one_optimizer_error,
     prepare_deepspeed_process,
     prepare_optimizer,
+    save_models_checkpoint,
     save_zero_checkpoint,
 )
+from lightspeed.core.zero.generation import keep_generation_in_step
 from lightspeed.core.zero.runtime import (
     check_precision_supported,
     export_deepspeed_accelerator,
     zero_device_kind,
 )
+from lightspeed.core.zero.several_models import ModelRecipe, model_recipes, parse_model_options
 from lightspeed.core.zero.weights import load_full_state_dict
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationMixin
 from lightspeed.strategies.launchers import check_start_method, check_world_matches, fork_launcher_if_wanted
 from lightspeed.strategies.process_group import ProcessGroupMixin
 from lightspeed.strategies.resumable_data import ResumableDataMixin
+from lightspeed.strategies.several_models import SeveralModelsMixin
 from lightspeed.strategies.zero_models import ZeroModelsMixin
 
 if TYPE_CHECKING:
@@ -91,6 +97,7 @@ class ZeroStrategy(
     ResumableDataMixin,
     DeepSpeedExactAccumulationMixin,
     ZeroModelsMixin,
+    SeveralModelsMixin,
     DeepSpeedStrategy,
 ):
     """DeepSpeed ZeRO for Lightning, on ``accelerator="cuda"`` (nccl) and ``accelerator="cpu"`` (gloo).
@@ -105,6 +112,15 @@ class ZeroStrategy(
         reduce_bucket_size, allgather_bucket_size, prefetch_bucket_size, param_persistence_threshold: ZeRO bucket
             sizes in elements; ``"auto"`` derives them from the model's hidden size.
         sub_group_size: ZeRO-3 optimizer sub-group size (elements), None for DeepSpeed's default.
+        activation_checkpointing_policy: module classes (a set, e.g. ``{Block}``) whose instances' forward runs under
+            ``deepspeed.checkpointing.checkpoint`` during training: only their inputs are kept for the backward pass,
+            which runs their forward again. Applied before the engine is built; the model's code stays as it is.
+        partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
+            synchronize_checkpoint_boundary, profile: DeepSpeed's ``activation_checkpointing`` section, for the policy
+            and for ``deepspeed.checkpointing.checkpoint`` calls in the model. ``"auto"``: ``partition_activations``
+            and ``contiguous_memory_optimization`` off (no model parallelism to partition across),
+            ``cpu_checkpointing`` on when parameters are offloaded and the device is CUDA. The section is written only
+            when the policy or one of these asks for it (or ``config=`` has it).
         config: DeepSpeed config dict or JSON path merged over the preset (its values win). ``"auto"`` is allowed
             wherever HF-style configs use it. Unknown keys and values that contradict Trainer arguments are errors.
         sync_with_dataloader: exact gradient accumulation (see ``DeepSpeedExactAccumulationMixin``): ``True`` steps
@@ -120,6 +136,12 @@ class ZeroStrategy(
             its backend, mode and options.
         compile_kwargs: ``torch.compile`` arguments for ``engine.compile()`` (``backend``, ``mode``, ``options``,
             ``fullgraph``, ``dynamic``, ...); given alone, it asks for compilation too.
+        models: several models in one LightningModule, each with its own engine: the attribute names of the models
+            mapped to their own options (``stage``, ``offload_optimizer``, ``offload_parameters``; left out: the
+            strategy's), e.g. ``{"generator": {}, "discriminator": {}}`` or ``{"student": {}, "teacher": {"stage":
+            3, "offload_parameters": "cpu"}}``. Each optimizer of ``configure_optimizers`` trains one model; a model
+            without one is frozen (under ZeRO-3 partitioned, forward only). Checkpoints hold each trained model's
+            engine in its own folder; exports write each trained model to ``<dirpath>/<name>/``.
     """
 
     strategy_name = "zero"
@@ -137,6 +159,13 @@ class ZeroStrategy(
         prefetch_bucket_size: int | str = "auto",
         param_persistence_threshold: int | str = "auto",
         sub_group_size: int | None = None,
+        activation_checkpointing_policy: Collection[type[torch.nn.Module]] | type[torch.nn.Module] | None = None,
+        partition_activations: bool | str = "auto",
+        cpu_checkpointing: bool | str = "auto",
+        contiguous_memory_optimization: bool | str = "auto",
+        number_checkpoints: int | None = None,
+        synchronize_checkpoint_boundary: bool = False,
+        profile: bool = False,
         config: _PATH | dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -152,22 +181,58 @@ class ZeroStrategy(
         start_method: str | None = None,
         compile: bool = False,
         compile_kwargs: dict[str, Any] | None = None,
+        models: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
     ) -> None:
+        tuning = ZeroTuning(
+            pin_memory=pin_memory,
+            reduce_bucket_size=reduce_bucket_size,
+            allgather_bucket_size=allgather_bucket_size,
+            prefetch_bucket_size=prefetch_bucket_size,
+            param_persistence_threshold=param_persistence_threshold,
+            sub_group_size=sub_group_size,
+            partition_activations=partition_activations,
+            cpu_checkpointing=cpu_checkpointing,
+            contiguous_memory_optimization=contiguous_memory_optimization,
+            number_checkpoints=number_checkpoints,
+            synchronize_checkpoint_boundary=synchronize_checkpoint_boundary,
+            profile=profile,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+        )
         deepspeed_config = build_zero_config(
             stage,
             offload_optimizer,
             offload_parameters,
             nvme_path=nvme_path,
             user_config=config,
-            tuning=ZeroTuning(
-                pin_memory=pin_memory,
-                reduce_bucket_size=reduce_bucket_size,
-                allgather_bucket_size=allgather_bucket_size,
-                prefetch_bucket_size=prefetch_bucket_size,
-                param_persistence_threshold=param_persistence_threshold,
-                sub_group_size=sub_group_size,
-            ),
+            tuning=tuning,
         )
+        options = parse_model_options(models, "ZeroStrategy(models=...)")
+        recipe = ModelRecipe.of(
+            stage,
+            offload_optimizer,
+            offload_parameters,
+            nvme_path=nvme_path,
+            user_config=config,
+            tuning=tuning,
+            front_end="Trainer",
+        )
+        recipes = model_recipes(options, recipe, "ZeroStrategy(models=...)")
+        if options:
+            refused = [
+                name
+                for name, given in (
+                    ("compile", compile or compile_kwargs),
+                    ("load_full_weights", load_full_weights),
+                    ("node_local_storage", node_local_storage),
+                    ("activation_checkpointing_policy", activation_checkpointing_policy),
+                )
+                if given
+            ]
+            if refused:
+                raise DeepSpeedConfigError(
+                    f"ZeroStrategy(models=...) cannot be combined with {', '.join(refused)} yet: train the models "
+                    "with one engine (leave out models=) or drop these arguments."
+                )
         self._init_lightning(
             deepspeed_config,
             accelerator=accelerator,
@@ -184,7 +249,9 @@ class ZeroStrategy(
             start_method=start_method,
             compile=compile,
             compile_kwargs=compile_kwargs,
+            activation_checkpointing_policy=tuning.policy,
         )
+        self._init_several_models(options, recipes)
 
     def _init_lightning(
         self,
@@ -194,12 +261,14 @@ class ZeroStrategy(
         start_method: str | None = None,
         compile: bool = False,
         compile_kwargs: dict[str, Any] | None = None,
+        activation_checkpointing_policy: Policy | None = None,
         **strategy_kwargs: Any,
     ) -> None:
         """Lightning's ``DeepSpeedStrategy`` set-up (``strategy_kwargs``: the Lightning arguments of ``__init__``)
         around an already built DeepSpeed config, whose ``"auto"`` values stay until setup."""
         check_start_method(start_method)
         self._compile_request = compile_request(compile, compile_kwargs, type(self).__name__)
+        self.activation_checkpointing_policy = activation_checkpointing_policy  # applied before the engine is built
         if node_local_storage:
             deepspeed_config.setdefault("checkpoint", {})["use_node_local_storage"] = True
         super().__init__(config=deepspeed_config, **strategy_kwargs)
@@ -209,6 +278,7 @@ class ZeroStrategy(
         self._config_logged = False
         self._saver = StagedCheckpointSaver()
         self._failed = False  # set by on_exception, read by teardown
+        self._init_several_models({}, {})
 
     def _module(self) -> pl.LightningModule:
         module = self.lightning_module
@@ -353,6 +423,9 @@ class ZeroStrategy(
     def _setup_model_and_optimizer(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None
     ) -> tuple[deepspeed.DeepSpeedEngine, torch.optim.Optimizer]:
+        message = apply_policy(model, self.activation_checkpointing_policy)
+        if message is not None:
+            rank_zero_info(message)
         self._prepare_compile(model, self.config)
         engine, deepspeed_optimizer, _ = initialize_engine(
             self.config, model, optimizer, lr_scheduler, self.root_device.index, self.local_rank
@@ -361,8 +434,17 @@ class ZeroStrategy(
         return engine, deepspeed_optimizer
 
     @override
+    def _set_deepspeed_activation_checkpointing(self) -> None:
+        # Lightning's passes 4 of the section's 6 keys to deepspeed.checkpointing.configure, which resets the others
+        configure_deepspeed_checkpointing(self.config)
+
+    @override
     def init_deepspeed(self) -> None:
         trainer = self._module().trainer
+        if self.several_models:
+            self._build_model_engines(training=trainer.training)
+            keep_generation_in_step(self._module())
+            return
         reusable = self._train_engine is not None and self._train_engine.module is self.lightning_module
         if not trainer.training and reusable:
             # validate/test/predict after fit: the training engine already holds the (sharded) weights
@@ -401,6 +483,9 @@ class ZeroStrategy(
         failed, self._failed = self._failed, False
         if failed:
             self._train_engine = None  # the engine of a failed run is not reused for evaluation
+            self._unroute_models()
+            self.model_engines = {}
+            self._engine_of_optimizer = {}
         try:
             self._teardown_lightning()
         finally:
@@ -410,7 +495,7 @@ class ZeroStrategy(
         # partitioned modules and the user's own ``torch.distributed`` calls after a run (even a failed one) use it.
 
     def _teardown_lightning(self) -> None:
-        if self._train_engine is None or self._device_kind() == "cpu":
+        if (self._train_engine is None and not self.model_engines) or self._device_kind() == "cpu":
             super().teardown()
             return
         # CUDA with the training engine kept for evaluation after `fit`: everything Lightning's teardown does except
@@ -420,6 +505,14 @@ class ZeroStrategy(
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+    @override
+    def _engines_in_window(self) -> list[Any]:
+        return list(self.trained_models.values()) if self.several_models else [self.model]
+
+    @override
+    def _engine_stepping(self, optimizer: Any) -> Any:
+        return self._engine_for_optimizer(optimizer) if self.several_models else self.model
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -431,6 +524,19 @@ class ZeroStrategy(
                 "writes the checkpoint files itself."
             )
         filepath = self.broadcast(str(filepath))
+        if self.several_models:
+            save_models_checkpoint(
+                self._saver,
+                self.trained_models,
+                self.model_configs,
+                filepath,
+                {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")},
+                world_size=self.world_size,
+                frozen=self.frozen_models,
+                exclude_frozen_parameters=self.exclude_frozen_parameters,
+                manifest_extra={"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")},
+            )
+            return
         node = None
         if self.node_local_storage:
             filepath = self._node_local_path(filepath)
@@ -492,6 +598,8 @@ class ZeroStrategy(
                 "node's files in one place. Export it first (`lightspeed export node0/<ckpt> node1/<ckpt> OUT`) and "
                 "load the export with `lightspeed.export.load_exported`, or resume training from it."
             )
+        if self.several_models:
+            return self._load_models_checkpoint(path, fitting)
         load_policy.check_before_loading(
             path,
             module=module if fitting and not self.load_full_weights else None,
@@ -508,3 +616,33 @@ class ZeroStrategy(
         engine = self.deepspeed_engine
         with load_policy.checkpoint_to_load(engine, path, self.world_size, info=rank_zero_info) as load_path:
             return super().load_checkpoint(load_path, weights_only)
+
+    def _load_models_checkpoint(self, path: Path, fitting: bool) -> dict[str, Any]:
+        """A several-model checkpoint: every trained model's engine from its own folder (checked first, one error on
+        every rank), or for evaluation its weights into the (partitioned) model; returns the Trainer's state."""
+        module = self._module()
+        trained = list(self.trained_models) if fitting else []
+        models = load_policy.models_in_checkpoint(
+            path, trained, list(self._model_options), self.world_size if fitting else None
+        )
+        client_state: dict[str, Any] = {}
+        for index, name in enumerate(models):
+            model = getattr(module, name)
+            model_path = path / name
+            load_policy.check_before_loading(
+                model_path, module=model, strict=module.strict_loading, warn=rank_zero_warn, marked=False
+            )
+            if fitting:
+                _, state = self.model_engines[name].load_checkpoint(
+                    str(model_path),
+                    load_optimizer_states=True,
+                    load_lr_scheduler_states=False,
+                    load_module_strict=module.strict_loading,
+                )
+            else:  # weights only, any world size, into the (partitioned) model
+                state = load_policy.load_weights_for_evaluation(
+                    model, model_path, rank=self.global_rank, strict=module.strict_loading
+                )
+            if index == 0:
+                client_state = dict(state or {})
+        return client_state

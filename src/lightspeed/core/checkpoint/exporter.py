@@ -3,6 +3,7 @@ streaming one tensor at a time."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from lightspeed.core.checkpoint.safetensors_writer import Progress, write_shards
 from lightspeed.core.checkpoint.torch_zip import RegionReader
 from lightspeed.core.checkpoint.zero_reader import TensorSource, ZeroCheckpoint, assemble, read_zero_checkpoint
 from lightspeed.core.errors import CheckpointError, ExportError
-from lightspeed.core.reliability.staging import check_output_dir, staged_output
+from lightspeed.core.reliability.staging import check_output_dir, several_models_in, staged_output
 
 __all__ = ["ExportResult", "export_checkpoint_path", "export_lightning_file", "export_zero_checkpoint"]
 
@@ -30,6 +31,8 @@ class ExportResult:
     total_bytes: int
     tied: dict[str, str] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    #: a checkpoint of several models (one engine each): each model's own export, in ``output_dir/<name>``
+    models: dict[str, ExportResult] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -110,6 +113,9 @@ def export_checkpoint_path(
     if not isinstance(checkpoint, (str, os.PathLike)):
         return export_zero_checkpoint(list(checkpoint), output_dir, options, progress)
     path = Path(checkpoint)
+    models = several_models_in(path)
+    if models:
+        return _export_models(path, models, output_dir, options, progress)
     if path.is_file():
         if options.tag is not None:
             raise CheckpointError(
@@ -118,6 +124,26 @@ def export_checkpoint_path(
             )
         return export_lightning_file(path, output_dir, options, progress)
     return export_zero_checkpoint(path, output_dir, options, progress)
+
+
+def _export_models(
+    path: Path, models: list[str], output_dir: str | os.PathLike, options: ExportOptions, progress: Progress | None
+) -> ExportResult:
+    """Each trained model of a several-model checkpoint into ``output_dir/<name>``, all committed together."""
+    check_output_dir(output_dir, options.overwrite)
+    results: dict[str, ExportResult] = {}
+    with staged_output(output_dir, options.overwrite) as staging:
+        for name in models:
+            results[name] = export_zero_checkpoint(
+                path / name, staging / name, dataclasses.replace(options, overwrite=False), progress
+            )
+    return ExportResult(
+        Path(output_dir),
+        [f"{name}/{file}" for name, result in results.items() for file in result.files],
+        sum(r.num_tensors for r in results.values()),
+        sum(r.total_bytes for r in results.values()),
+        models={name: dataclasses.replace(r, output_dir=Path(output_dir) / name) for name, r in results.items()},
+    )
 
 
 def _write_export(

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPLETE_MARKER",
+    "MODELS_MANIFEST_KEY",
     "REPLACED_SUFFIX",
     "STAGING_SUFFIX",
     "IncompleteCheckpointError",
@@ -55,6 +56,8 @@ __all__ = [
 ]
 
 COMPLETE_MARKER = "lightspeed_complete.json"
+#: the marker's key listing the trained models of a checkpoint of several models (each in its own sub-directory)
+MODELS_MANIFEST_KEY = "models"
 STAGING_SUFFIX = _STAGING_SUFFIX = ".lightspeed-staging"
 REPLACED_SUFFIX = _REPLACED_SUFFIX = ".lightspeed-replaced"
 
@@ -122,6 +125,15 @@ def remove_stale_staging(directory: str | os.PathLike, keep: str | os.PathLike |
             shutil.rmtree(leftover, ignore_errors=True)
             removed.append(leftover)
     return removed
+
+
+def several_models_in(directory: str | os.PathLike) -> list[str]:
+    """The trained models of a committed checkpoint of several models, one engine each (each in
+    ``directory/<name>``); empty for any other checkpoint."""
+    marker = Path(directory) / COMPLETE_MARKER
+    if not marker.is_file():
+        return []
+    return list(json.loads(marker.read_text()).get(MODELS_MANIFEST_KEY) or [])
 
 
 def is_complete(directory: str | os.PathLike) -> bool:

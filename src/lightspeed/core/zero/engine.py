@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from lightspeed.core.common.distributed import is_distributed
 from lightspeed.core.reliability import staging as atomic_dir
 from lightspeed.core.reliability.node_local import NodePosition
-from lightspeed.core.reliability.staging import StagedCheckpointSaver
+from lightspeed.core.reliability.staging import MODELS_MANIFEST_KEY, StagedCheckpointSaver
 from lightspeed.core.zero.config import (
     DeepSpeedConfigError,
     config_offloads_optimizer,
@@ -46,6 +47,7 @@ __all__ = [
     "one_optimizer_error",
     "prepare_deepspeed_process",
     "prepare_optimizer",
+    "save_models_checkpoint",
     "save_zero_checkpoint",
 ]
 
@@ -105,6 +107,14 @@ def initialize_engine(
     import deepspeed
 
     trainable = [p for p in model.parameters() if p.requires_grad]
+    if optimizer is not None:
+        own = set(map(id, model.parameters()))
+        foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own)
+        if foreign:
+            raise DeepSpeedConfigError(
+                f"The optimizer given with {type(model).__name__} trains {foreign} parameter(s) that are not the "
+                "model's: build the optimizer from this model's parameters (`torch.optim.AdamW(model.parameters())`)."
+            )
     # the parameters an optimizer trains: the client's, or the one the config's "optimizer" section describes
     trains = optimizer is not None or isinstance(config.get("optimizer"), dict)
     engine, deepspeed_optimizer, _, scheduler = deepspeed.initialize(
@@ -137,22 +147,7 @@ def save_zero_checkpoint(
     ``target`` (see :class:`StagedCheckpointSaver`)."""
 
     def write(staging: Path) -> None:
-        try:
-            engine.save_checkpoint(
-                str(staging),
-                client_state=client_state,
-                tag=CHECKPOINT_TAG,
-                exclude_frozen_parameters=exclude_frozen_parameters,
-            )
-        except OSError:
-            # A write error (a full disk) happens after DeepSpeed's last collective but before its final barrier,
-            # where the other ranks now wait: meet them there, so every rank reaches the saver's agreement at once
-            # instead of after the process-group timeout. (A failed collective, e.g. a dead peer, is not met.)
-            if is_distributed():
-                import torch.distributed as dist
-
-                dist.barrier()
-            raise
+        _engine_save(engine, staging, client_state, exclude_frozen_parameters)
 
     manifest: dict[str, Any] = {
         "writer": "lightspeed",
@@ -165,6 +160,60 @@ def save_zero_checkpoint(
     if node is not None:
         extra_files["latest"] = CHECKPOINT_TAG  # DeepSpeed writes it on rank 0's node only; every node resumes
     return saver.save(target, write, manifest=manifest, extra_files=extra_files, node=node)
+
+
+def save_models_checkpoint(
+    saver: StagedCheckpointSaver,
+    engines: Mapping[str, Any],
+    configs: Mapping[str, dict[str, Any]],
+    target: str | os.PathLike[str],
+    client_state: dict[str, Any],
+    *,
+    world_size: int,
+    frozen: Sequence[str] = (),
+    exclude_frozen_parameters: bool = False,
+    manifest_extra: dict[str, Any] | None = None,
+) -> Path:
+    """Several trained models' engines into one committed checkpoint: each model's DeepSpeed save directory under
+    ``target/<name>`` (the client state in the first one), the manifest listing them, so that resuming, exporting
+    and ``lightspeed export`` find every model; models in ``frozen`` are not trained and not written. A collective."""
+    names = list(engines)
+
+    def write(staging: Path) -> None:
+        for index, name in enumerate(names):
+            _engine_save(engines[name], staging / name, client_state if index == 0 else {}, exclude_frozen_parameters)
+
+    manifest: dict[str, Any] = {
+        "writer": "lightspeed",
+        "world_size": world_size,
+        MODELS_MANIFEST_KEY: {name: {"zero_stage": config_stage(configs[name])} for name in names},
+        "frozen_models": list(frozen),
+        "tag": CHECKPOINT_TAG,
+    }
+    manifest.update(manifest_extra or {})
+    extra_files = {f"{name}/{RESOLVED_CONFIG_FILENAME}": describe_config(configs[name]) for name in names}
+    return saver.save(target, write, manifest=manifest, extra_files=extra_files)
+
+
+def _engine_save(engine: Any, directory: Path, client_state: dict[str, Any], exclude_frozen_parameters: bool) -> None:
+    """``engine.save_checkpoint`` into ``directory`` under lightspeed's tag."""
+    try:
+        engine.save_checkpoint(
+            str(directory),
+            client_state=client_state,
+            tag=CHECKPOINT_TAG,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
+    except Exception as err:
+        # A write error on one rank (a full disk; something in the client state that cannot be pickled, which only
+        # rank 0 writes) happens after DeepSpeed's last collective but before its final barrier, where the other
+        # ranks now wait: meet them there, so every rank reaches the saver's agreement (which raises the error on
+        # every rank) instead of waiting until the process-group timeout. A failed collective (a dead peer) is not met.
+        import torch.distributed as dist
+
+        if is_distributed() and not isinstance(err, dist.DistError):
+            dist.barrier()
+        raise
 
 
 def check_loadable(path: str | os.PathLike[str]) -> str | None:

@@ -15,6 +15,7 @@ Every function is a collective where it says so: every rank calls it with the sa
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +32,12 @@ from lightspeed.core.reliability.node_local import require_part as require_node_
 from lightspeed.core.zero.engine import check_loadable
 from lightspeed.core.zero.weights import check_fits, load_zero_weights, read_client_state, read_structure
 
-__all__ = ["check_before_loading", "checkpoint_to_load", "load_weights_for_evaluation"]
+__all__ = [
+    "check_before_loading",
+    "checkpoint_to_load",
+    "load_weights_for_evaluation",
+    "models_in_checkpoint",
+]
 
 
 def _what(path: Path) -> str:
@@ -45,27 +51,100 @@ def check_before_loading(
     strict: bool = True,
     node_rank: int | None = None,
     warn: Callable[[str], None],
+    marked: bool = True,
 ) -> None:
     """Every check that can fail before a checkpoint is loaded (a collective).
 
     ``module`` (None: no shape check) is compared with the checkpoint's parameter shapes; ``strict`` also refuses
     parameters missing on either side. ``node_rank`` (node-local storage) checks this node's part and that every node
     holds the same save. A plain DeepSpeed checkpoint without lightspeed's completion marker is loaded after
-    ``warn`` says so."""
+    ``warn`` says so. ``marked=False``: one model's folder of a several-model checkpoint, whose marker
+    :func:`models_in_checkpoint` checked; only the shapes are compared."""
     path = Path(path)
     if node_rank is not None:
         _check_node_local_part(path, node_rank)
         return
+    if marked:
+        _check_marked(path, warn)
+    _check_fits_on_every_rank(path, module, strict)
+
+
+def _check_marked(path: Path, warn: Callable[[str], None]) -> None:
     warning = check_loadable(path)  # missing or interrupted: an error explaining it
     if warning is not None:
         warn(warning)
     if path.is_dir() and atomic_dir.is_complete(path):
-        damaged: IncompleteCheckpointError | None = None
-        try:
-            atomic_dir.require_intact(path, include_missing=False)  # a truncated shard: error on every rank
-        except IncompleteCheckpointError as err:
-            damaged = err
-        raise_on_every_rank(damaged, _what(path), error_type=IncompleteCheckpointError)
+        several = atomic_dir.several_models_in(path)
+        if several:
+            raise CheckpointError(
+                f"{_what(path)}: it holds several models, each with its own engine ({', '.join(several)}); load it "
+                "with the strategy that wrote it: ZeroStrategy(models=...) or one fabric.setup per model."
+            )
+        _require_intact_on_every_rank(path)
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    return dict(json.loads((path / atomic_dir.COMPLETE_MARKER).read_text()))
+
+
+def models_in_checkpoint(
+    path: str | os.PathLike[str], trained: list[str], known: list[str], world_size: int | None = None
+) -> list[str]:
+    """The models a several-model checkpoint holds, after the checks of :func:`check_before_loading` on the whole
+    checkpoint and a check that it holds exactly the models ``trained`` (resuming), or only models among ``known``
+    (evaluation, ``trained`` empty), written by ``world_size`` processes when given (resharding several models is
+    not supported yet). A collective: one error on every rank."""
+    path = Path(path)
+    _check_several(path)
+    error: CheckpointError | None = None
+    held: dict[str, Any] = {}
+    try:
+        manifest = _manifest(path)
+        held = manifest.get(atomic_dir.MODELS_MANIFEST_KEY) or {}
+        if not held:
+            raise CheckpointError(
+                f"{_what(path)}: it holds one model trained with one engine, but this run trains "
+                f"{', '.join(trained)} with one engine each. Load it without models=."
+            )
+        if (sorted(held) != sorted(trained)) if trained else not set(held) <= set(known):
+            this_run = f"trains {', '.join(sorted(trained))}" if trained else f"has {', '.join(sorted(known))}"
+            raise CheckpointError(
+                f"{_what(path)}: it holds the trained models {', '.join(sorted(held))}, but this run {this_run}. "
+                "Name the same models in models= and give them optimizers as the run that wrote it did."
+            )
+        saved = manifest.get("world_size")
+        if world_size is not None and saved is not None and int(saved) != world_size:
+            raise CheckpointError(
+                f"{_what(path)}: it was written by {saved} processes and this run has {world_size}; a checkpoint of "
+                f"several models resumes on {saved} processes only (resharding it is not supported yet). Resume on "
+                f"{saved} processes, or export it (`lightspeed export`) and load the weights."
+            )
+    except CheckpointError as err:
+        error = err
+    raise_on_every_rank(error, _what(path), error_type=CheckpointError)
+    return list(held)
+
+
+def _check_several(path: Path) -> None:
+    check_loadable(path)
+    if not atomic_dir.is_complete(path):
+        raise CheckpointError(
+            f"{_what(path)}: a checkpoint of several models must carry lightspeed's completion marker "
+            f"({atomic_dir.COMPLETE_MARKER}); this one was not written by ZeroStrategy(models=...)."
+        )
+    _require_intact_on_every_rank(path)
+
+
+def _require_intact_on_every_rank(path: Path) -> None:
+    damaged: IncompleteCheckpointError | None = None
+    try:
+        atomic_dir.require_intact(path, include_missing=False)  # a truncated shard: error on every rank
+    except IncompleteCheckpointError as err:
+        damaged = err
+    raise_on_every_rank(damaged, _what(path), error_type=IncompleteCheckpointError)
+
+
+def _check_fits_on_every_rank(path: Path, module: torch.nn.Module | None, strict: bool) -> None:
     if module is not None and path.is_dir():
         misfit: CheckpointError | None = None
         try:

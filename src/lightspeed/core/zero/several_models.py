@@ -1,0 +1,321 @@
+"""Several models in one training module, each with its own DeepSpeed engine: a GAN's generator and discriminator
+(two optimizers), a student beside a frozen teacher that only runs forward (partitioned under ZeRO-3, no optimizer).
+
+One DeepSpeed engine trains one model with one optimizer, so a module holding several models gets one engine per
+model. This module holds what both front ends share:
+
+* :class:`ModelOptions` / :func:`parse_model_options`: a model's own stage and offload targets (the strategy's where
+  left out), checked when the strategy is made;
+* :func:`assign_optimizers`: which model each optimizer trains, refusing two optimizers for one model and one
+  optimizer over two models;
+* :func:`route_forward`: calling the model itself (``self.generator(z)``) runs its engine's forward, which DeepSpeed
+  needs to prepare the backward (its output hooks) and ZeRO-3 to fetch parameters;
+* :func:`engine_for_backward`: the one trained engine a loss reaches, found by walking the autograd graph, so
+  ``manual_backward(loss)`` / ``loss`` without a model argument goes to the right engine;
+* the checkpoint layout: one DeepSpeed save directory per trained model inside the committed checkpoint.
+
+No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightspeed.core.errors import DeepSpeedConfigError
+from lightspeed.core.reliability.staging import MODELS_MANIFEST_KEY
+from lightspeed.core.zero.config import ZeroTuning, build_zero_config
+from lightspeed.core.zero.config.choices import check_zero_stage, offload_target
+
+__all__ = [
+    "MODELS_MANIFEST_KEY",
+    "ModelOptions",
+    "assign_optimizers",
+    "check_model_options",
+    "mark_model_options",
+    "model_options_of",
+    "engine_for_backward",
+    "model_dtype_for",
+    "model_recipes",
+    "ModelRecipe",
+    "parse_model_options",
+    "route_forward",
+    "without_training_sections",
+]
+
+_OPTION_KEYS = ("stage", "offload_optimizer", "offload_parameters")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """One model's own ZeRO stage and offload targets; ``None`` takes the strategy's."""
+
+    stage: int | None = None
+    offload_optimizer: str | None = None
+    offload_parameters: str | None = None
+
+    def over(self, stage: int, offload_optimizer: str, offload_parameters: str) -> ModelOptions:
+        """These options with the strategy's filled in where left out."""
+        return ModelOptions(
+            stage if self.stage is None else self.stage,
+            offload_optimizer if self.offload_optimizer is None else self.offload_optimizer,
+            offload_parameters if self.offload_parameters is None else self.offload_parameters,
+        )
+
+
+def parse_model_options(models: Mapping[str, Any] | Sequence[str] | None, argument: str) -> dict[str, ModelOptions]:
+    """``models`` as given to a strategy (attribute name -> options dict, or a list of names that take the
+    strategy's stage) checked into :class:`ModelOptions`; ``argument`` is how the user wrote it, for messages."""
+    if models is None:
+        return {}
+    if isinstance(models, str) or not isinstance(models, (Mapping, list, tuple)):
+        raise DeepSpeedConfigError(
+            f"{argument} must map each model's attribute name to its options, e.g. "
+            f'{{"generator": {{}}, "teacher": {{"stage": 3}}}}, got {models!r}.'
+        )
+    items = models.items() if isinstance(models, Mapping) else ((name, {}) for name in models)
+    parsed: dict[str, ModelOptions] = {}
+    for name, options in items:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise DeepSpeedConfigError(f"{argument}: {name!r} is not an attribute name of the module.")
+        if isinstance(options, ModelOptions):
+            parsed[name] = options
+            continue
+        if not isinstance(options, Mapping):
+            raise DeepSpeedConfigError(
+                f"{argument}[{name!r}] must be a dict of options ({', '.join(_OPTION_KEYS)}), got {options!r}."
+            )
+        unknown = sorted(set(options) - set(_OPTION_KEYS))
+        if unknown:
+            raise DeepSpeedConfigError(
+                f"{argument}[{name!r}] has unknown option(s) {', '.join(map(repr, unknown))}; a model takes "
+                f"{', '.join(_OPTION_KEYS)}. Everything else is set on the strategy for all models."
+            )
+        parsed[name] = check_model_options(**options)
+    if len(parsed) < 2:
+        raise DeepSpeedConfigError(
+            f"{argument} names {len(parsed)} model(s); it is for modules holding several models, each with its own "
+            "engine. Leave it out to train the whole module with one engine."
+        )
+    return parsed
+
+
+_OPTIONS_ATTRIBUTE = "_lightspeed_zero_options"
+
+
+def mark_model_options(module: nn.Module, options: ModelOptions) -> nn.Module:
+    """Give ``module`` its own stage and offload targets, read when its engine is built (Fabric: ``fabric.setup``)."""
+    setattr(module, _OPTIONS_ATTRIBUTE, options)
+    return module
+
+
+def model_options_of(module: nn.Module) -> ModelOptions | None:
+    """The options :func:`mark_model_options` gave ``module``, None if it has none."""
+    options = getattr(module, _OPTIONS_ATTRIBUTE, None)
+    return options if isinstance(options, ModelOptions) else None
+
+
+def check_model_options(
+    stage: Any = None, offload_optimizer: str | bool | None = None, offload_parameters: str | bool | None = None
+) -> ModelOptions:
+    """One model's options, checked (``None``: the strategy's)."""
+    return ModelOptions(
+        None if stage is None else check_zero_stage(stage),
+        None if offload_optimizer is None else offload_target(offload_optimizer, "offload_optimizer"),
+        None if offload_parameters is None else offload_target(offload_parameters, "offload_parameters"),
+    )
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """What a ZeRO strategy builds its DeepSpeed config from, kept so that each model can get its own: the
+    strategy's stage and offload targets (checked), NVMe directory, user config, tuning and front end."""
+
+    stage: int
+    offload_optimizer: str
+    offload_parameters: str
+    nvme_path: Any
+    user_config: Any
+    tuning: ZeroTuning
+    front_end: str
+
+    @classmethod
+    def of(
+        cls,
+        stage: Any,
+        offload_optimizer: str | bool | None,
+        offload_parameters: str | bool | None,
+        **rest: Any,
+    ) -> ModelRecipe:
+        """The strategy's arguments, checked (``rest``: ``nvme_path``, ``user_config``, ``tuning``, ``front_end``)."""
+        return cls(
+            check_zero_stage(stage),
+            offload_target(offload_optimizer, "offload_optimizer"),
+            offload_target(offload_parameters, "offload_parameters"),
+            **rest,
+        )
+
+    def for_model(self, options: ModelOptions) -> dict[str, Any]:
+        """The config (with ``"auto"`` values) of a model with ``options``, the strategy's where left out."""
+        own = options.over(self.stage, self.offload_optimizer, self.offload_parameters)
+        stage = int(own.stage or 0)
+        return build_zero_config(
+            stage,
+            own.offload_optimizer,
+            own.offload_parameters,
+            nvme_path=self.nvme_path,
+            user_config=self.user_config,
+            tuning=self.tuning.for_stage(stage),
+            front_end=self.front_end,
+        )
+
+
+def assign_optimizers(
+    models: Mapping[str, nn.Module], optimizers: Sequence[torch.optim.Optimizer], where: str
+) -> dict[str, int | None]:
+    """Which optimizer (by its index in ``optimizers``) trains each model; None for a model no optimizer trains.
+
+    ``where`` says where the optimizers came from (``"`configure_optimizers`"``). Raises one
+    :class:`DeepSpeedConfigError` when an optimizer trains parameters of several models or of none of them, or
+    when two optimizers train one model: each engine owns exactly one model and at most one optimizer.
+    """
+    owner = {id(p): name for name, model in models.items() for p in model.parameters()}
+    assigned: dict[str, int | None] = dict.fromkeys(models)
+    for index, optimizer in enumerate(optimizers):
+        owners = {owner.get(id(p)) for group in optimizer.param_groups for p in group["params"]}
+        if None in owners:
+            raise DeepSpeedConfigError(
+                f"Optimizer {index} from {where} trains parameters outside the models named in `models=` "
+                f"({', '.join(models)}). Give each model its own optimizer over its own parameters, or add the "
+                "model those parameters belong to."
+            )
+        if len(owners) > 1:
+            names = sorted(n for n in owners if n is not None)
+            raise DeepSpeedConfigError(
+                f"Optimizer {index} from {where} trains parameters of {' and '.join(map(repr, names))}: a model "
+                "given to two engines. Each model has its own engine and optimizer; split the optimizer per model."
+            )
+        (name,) = owners
+        assert name is not None
+        previous = assigned[name]
+        if previous is not None:
+            raise DeepSpeedConfigError(
+                f"Optimizers {previous} and {index} from {where} both train {name!r}: two optimizers for one model. "
+                "A ZeRO engine steps one optimizer; use one optimizer with several param groups."
+            )
+        assigned[name] = index
+    return assigned
+
+
+def route_forward(module: nn.Module, engine: Callable[..., Any]) -> Callable[[], None]:
+    """Make calls of ``module`` (``self.generator(z)`` in a training step) run ``engine``'s forward, which calls the
+    module's own forward once inside; returns the function that undoes it.
+
+    DeepSpeed's engine forward prepares the backward of what it returns (gradient accumulation scaling, ZeRO's
+    backward prologue); the module keeps its attributes and state-dict names."""
+    own = module.__dict__.get("forward")
+    original = module.forward
+    inside = [False]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if inside[0]:  # the engine calling the module
+            return original(*args, **kwargs)
+        inside[0] = True
+        try:
+            return engine(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    module.forward = forward
+
+    def undo() -> None:
+        if own is not None:
+            module.forward = own
+        else:
+            module.__dict__.pop("forward", None)
+
+    return undo
+
+
+def parameters_reached(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (parameters) whose gradients a backward of ``loss`` would accumulate."""
+    found: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def engine_for_backward(loss: torch.Tensor, trained: Mapping[str, tuple[Any, Iterable[nn.Parameter]]]) -> Any:
+    """The engine whose model's trainable parameters ``loss`` reaches (``trained``: name -> (engine, parameters)).
+
+    Exactly one must be reached: a loss reaching two trained models would need two engines' backward at once (freeze
+    the other with ``toggle_optimizer`` or ``detach()`` its input); one reaching none trains nothing."""
+    reached = parameters_reached(loss)
+    hits = [name for name, (_, params) in trained.items() if any(id(p) in reached for p in params if p.requires_grad)]
+    if len(hits) == 1:
+        return trained[hits[0]][0]
+    if not hits:
+        raise DeepSpeedConfigError(
+            "The loss passed to backward reaches no trainable parameter of the models with an optimizer "
+            f"({', '.join(trained)}): nothing would be trained. Compute it from a trained model's output."
+        )
+    raise DeepSpeedConfigError(
+        f"The loss passed to backward reaches trainable parameters of {' and '.join(map(repr, hits))}, which have "
+        "their own engines. Back-propagate into one model at a time: freeze the others for this loss "
+        "(`self.toggle_optimizer(opt)` in a LightningModule, `requires_grad_(False)`) or `detach()` their outputs."
+    )
+
+
+def model_dtype_for(config: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype DeepSpeed keeps a model's weights in under ``config`` (None: fp32), for models without an engine."""
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if (config.get(key) or {}).get("enabled") is True:
+            return dtype
+    return None
+
+
+def without_training_sections(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A model's config for an inference-only engine (a frozen model under ZeRO-3): no optimizer, scheduler or
+    offloaded optimizer."""
+    frozen = {k: v for k, v in config.items() if k not in ("optimizer", "scheduler")}
+    zero = dict(frozen.get("zero_optimization") or {})
+    zero.pop("offload_optimizer", None)
+    frozen["zero_optimization"] = zero
+    return frozen
+
+
+def model_recipes(options: Mapping[str, ModelOptions], recipe: ModelRecipe, argument: str) -> dict[str, dict[str, Any]]:
+    """Each model's DeepSpeed config (still with ``"auto"`` values) from its options over the strategy's ``recipe``;
+    a user config that sets another stage than a model asks for, or an optimizer section (which one model would it
+    train?), is an error."""
+    recipes: dict[str, dict[str, Any]] = {}
+    for name, model_options in options.items():
+        built = recipe.for_model(model_options)
+        stage = int((built.get("zero_optimization") or {}).get("stage", 0))
+        wanted = recipe.stage if model_options.stage is None else model_options.stage
+        if stage != wanted:
+            raise DeepSpeedConfigError(
+                f"{argument}[{name!r}] asks for ZeRO stage {wanted}, but the DeepSpeed config sets "
+                f'"zero_optimization": {{"stage": {stage}}}. Remove the stage from the config: with several models '
+                "each model's stage comes from the strategy and its options."
+            )
+        if "optimizer" in built or "scheduler" in built:
+            raise DeepSpeedConfigError(
+                f"The DeepSpeed config has an optimizer or scheduler section, but {argument} trains several models, "
+                "each with the optimizer `configure_optimizers` (or `fabric.setup`) gives it. Remove the section."
+            )
+        recipes[name] = built
+    return recipes
