@@ -83,6 +83,15 @@ def test_a_cache_written_for_another_model_is_not_reused(run: tuple[Path, dict[s
     assert list(measured_table(logs)) == ["zero1", "zero2", "zero3"]
 
 
+def test_zero3_is_measured_for_a_model_whose_attention_reads_a_weight_outside_its_module(
+    run: tuple[Path, dict[str, Any]],
+) -> None:
+    _, result = run
+    rows = [line for line in result["logs"]["attention"][-1].splitlines() if line.startswith("zero3")]
+    assert rows and "failed" not in rows[0], result["logs"]["attention"][-1]  # trials go through the engine's forward
+    assert list(measured_table(result["logs"]["attention"])) == ["zero2", "zero3"]
+
+
 def test_bad_tuning_input_is_a_clear_error(run: tuple[Path, dict[str, Any]]) -> None:
     _, result = run
     assert result["unknown_option"] == {

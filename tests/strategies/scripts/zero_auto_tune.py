@@ -7,6 +7,7 @@ Phases, each a fit of 4 steps on shuffled data (seed 0) with the tuning cache OU
   cached     tuned again: the decision comes from the cache, no trials
   retune     retune=True: trials again
   other      another model shape with the same cache: its decision is not reused
+  attention  a model with nn.MultiheadAttention (which reads out_proj.weight outside its module): zero3 is measured
   bad        tune_options naming an unknown option; nothing fits
 Rank 0 writes OUT_DIR/result.json (chosen options, logged lines per phase, errors) and OUT_DIR/<phase>.pt (weights).
 """
@@ -21,16 +22,37 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401  (registers the strategy names)
-from _support.models import RegressionModule, full_state_dict, make_regression_data
+from _support.models import IN_FEATURES, OUT_FEATURES, RegressionModule, full_state_dict, make_regression_data
 from lightspeed.strategies import ZeroStrategy
 from lightspeed.strategies.zero_auto import ZeroAutoStrategy
 from strategies.scripts.zero_auto_models import DeepRegressionModule
 from strategies.scripts.zero_auto_train import Capture
 
 OPTIONS = ["zero1", "zero2", "zero3"]
+
+
+class AttentionRegression(L.LightningModule):
+    """Self-attention over one token per sample, then a linear head: under ZeRO-3 the attention reads its
+    ``out_proj.weight`` without calling ``out_proj``, which DeepSpeed gathers only inside the engine's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attention = nn.MultiheadAttention(IN_FEATURES, 1, batch_first=True)
+        self.head = nn.Linear(IN_FEATURES, OUT_FEATURES)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        tokens = x[:, None]
+        mixed, _ = self.attention(tokens, tokens, tokens)
+        return nn.functional.mse_loss(self.head(mixed[:, 0]), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 def fit(strategy: Any, module: L.LightningModule) -> L.Trainer:
@@ -85,6 +107,11 @@ def main(out: Path) -> None:
     phase("cached", tuned(out))
     phase("retune", tuned(out, retune=True))
     phase("other", tuned(out), DeepRegressionModule())
+    phase(
+        "attention",
+        tuned(out, tune_options=["zero2", "zero3"], tune_cache=out / "attention.json"),
+        AttentionRegression(),
+    )
     result["unknown_option"] = error_of(lambda: phase("bad", tuned(out, tune_options=["zero9"])))
     nothing = ZeroAutoStrategy(tune=True, tune_cache=out / "cache.json", host_memory=1000)
     result["nothing_fits"] = error_of(lambda: phase("bad", nothing))

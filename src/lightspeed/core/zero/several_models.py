@@ -4,15 +4,17 @@
 One DeepSpeed engine trains one model with one optimizer, so a module holding several models gets one engine per
 model. This module holds what both front ends share:
 
-* :class:`ModelOptions` / :func:`parse_model_options`: a model's own stage and offload targets (the strategy's where
-  left out), checked when the strategy is made;
+* :class:`ModelOptions` / :func:`parse_model_options` / :func:`mark_model_options`: a model's own stage and offload
+  targets (the strategy's where left out), checked when given; :class:`ModelRecipe` builds each model's config;
 * :func:`assign_optimizers`: which model each optimizer trains, refusing two optimizers for one model and one
   optimizer over two models;
 * :func:`route_forward`: calling the model itself (``self.generator(z)``) runs its engine's forward, which DeepSpeed
   needs to prepare the backward (its output hooks) and ZeRO-3 to fetch parameters;
 * :func:`engine_for_backward`: the one trained engine a loss reaches, found by walking the autograd graph, so
   ``manual_backward(loss)`` / ``loss`` without a model argument goes to the right engine;
-* the checkpoint layout: one DeepSpeed save directory per trained model inside the committed checkpoint.
+* the checkpoint layout (written by :func:`~lightspeed.core.zero.engine.save_models_checkpoint`, read by
+  :func:`~lightspeed.core.zero.load_policy.models_in_checkpoint` and the exporter): one DeepSpeed save directory per
+  trained model inside the committed checkpoint, the trained models listed under :data:`MODELS_MANIFEST_KEY`.
 
 No Lightning here.
 """
@@ -34,14 +36,14 @@ from lightspeed.core.zero.config.choices import check_zero_stage, offload_target
 __all__ = [
     "MODELS_MANIFEST_KEY",
     "ModelOptions",
+    "ModelRecipe",
     "assign_optimizers",
     "check_model_options",
-    "mark_model_options",
-    "model_options_of",
     "engine_for_backward",
+    "mark_model_options",
     "model_dtype_for",
+    "model_options_of",
     "model_recipes",
-    "ModelRecipe",
     "parse_model_options",
     "route_forward",
     "without_training_sections",
