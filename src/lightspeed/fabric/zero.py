@@ -76,7 +76,6 @@ from lightspeed.core.zero.config import (
     TrainingFacts,
     ZeroConfigProperties,
     ZeroTuning,
-    build_zero_config,
     describe_config,
     find_hidden_size,
     resolve_config_with_notes,
@@ -298,7 +297,7 @@ class ZeroFabricStrategy(
             profile=profile,
             activation_checkpointing_policy=activation_checkpointing_policy,
         )
-        recipe = build_zero_config(
+        recipe_of_models = ModelRecipe.of(
             stage,
             offload_optimizer,
             offload_parameters,
@@ -307,6 +306,7 @@ class ZeroFabricStrategy(
             tuning=tuning,
             front_end="Fabric",
         )
+        recipe = recipe_of_models.config()
         self._init_lightning(
             recipe,
             accelerator=accelerator,
@@ -322,15 +322,6 @@ class ZeroFabricStrategy(
             compile=compile,
             compile_kwargs=compile_kwargs,
             activation_checkpointing_policy=tuning.policy,
-        )
-        recipe_of_models = ModelRecipe.of(
-            stage,
-            offload_optimizer,
-            offload_parameters,
-            nvme_path=nvme_path,
-            user_config=config,
-            tuning=tuning,
-            front_end="Fabric",
         )
         self._init_several_models(recipe_of_models.for_model)
 

@@ -55,7 +55,6 @@ from lightspeed.core.zero.compile import (
 from lightspeed.core.zero.config import (
     ZeroConfigProperties,
     ZeroTuning,
-    build_zero_config,
     describe_config,
     resolve_config_with_notes,
 )
@@ -198,15 +197,6 @@ class ZeroStrategy(
             profile=profile,
             activation_checkpointing_policy=activation_checkpointing_policy,
         )
-        deepspeed_config = build_zero_config(
-            stage,
-            offload_optimizer,
-            offload_parameters,
-            nvme_path=nvme_path,
-            user_config=config,
-            tuning=tuning,
-        )
-        options = parse_model_options(models, "ZeroStrategy(models=...)")
         recipe = ModelRecipe.of(
             stage,
             offload_optimizer,
@@ -216,6 +206,8 @@ class ZeroStrategy(
             tuning=tuning,
             front_end="Trainer",
         )
+        deepspeed_config = recipe.config()
+        options = parse_model_options(models, "ZeroStrategy(models=...)")
         recipes = model_recipes(options, recipe, "ZeroStrategy(models=...)")
         if options:
             refused = [
@@ -524,33 +516,34 @@ class ZeroStrategy(
                 "writes the checkpoint files itself."
             )
         filepath = self.broadcast(str(filepath))
+        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        progress = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
         if self.several_models:
             save_models_checkpoint(
                 self._saver,
                 self.trained_models,
                 self.model_configs,
                 filepath,
-                {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")},
+                client_state,
                 world_size=self.world_size,
                 frozen=self.frozen_models,
                 exclude_frozen_parameters=self.exclude_frozen_parameters,
-                manifest_extra={"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")},
+                manifest_extra=progress,
             )
             return
         node = None
         if self.node_local_storage:
             filepath = self._node_local_path(filepath)
             node = describe_position(self.node_rank, self.local_rank)
-
         save_zero_checkpoint(
             self._saver,
             self.deepspeed_engine,
             filepath,
-            {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")},
+            client_state,
             world_size=self.world_size,
             config=self.config,
             exclude_frozen_parameters=self.exclude_frozen_parameters,
-            manifest_extra={"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")},
+            manifest_extra=progress,
             node=node,
         )
 

@@ -134,8 +134,9 @@ def check_model_options(
 
 @dataclass(frozen=True)
 class ModelRecipe:
-    """What a ZeRO strategy builds its DeepSpeed config from, kept so that each model can get its own: the
-    strategy's stage and offload targets (checked), NVMe directory, user config, tuning and front end."""
+    """What a ZeRO strategy builds its DeepSpeed config from (:meth:`config`), kept so that each model can get its own
+    (:meth:`for_model`): the strategy's stage and offload targets (checked), NVMe directory, user config, tuning and
+    front end."""
 
     stage: int
     offload_optimizer: str
@@ -159,6 +160,18 @@ class ModelRecipe:
             offload_target(offload_optimizer, "offload_optimizer"),
             offload_target(offload_parameters, "offload_parameters"),
             **rest,
+        )
+
+    def config(self) -> dict[str, Any]:
+        """The strategy's own config (with ``"auto"`` values), from its arguments as given."""
+        return build_zero_config(
+            self.stage,
+            self.offload_optimizer,
+            self.offload_parameters,
+            nvme_path=self.nvme_path,
+            user_config=self.user_config,
+            tuning=self.tuning,
+            front_end=self.front_end,
         )
 
     def for_model(self, options: ModelOptions) -> dict[str, Any]:

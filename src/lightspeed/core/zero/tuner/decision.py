@@ -2,7 +2,7 @@
 
 Every rank reaches the same decision: rank 0 reads the cache and tells the others, the trials agree on their
 timings and failures, and the fastest measured candidate wins, unless it beats the planner's choice (the first
-candidate) by less than 5 %: a few steps measure the machine's load as much as the option, so the planner keeps its
+candidate) by less than 10 %: a few steps measure the machine's load as much as the option, so the planner keeps its
 choice without clear evidence.
 """
 
@@ -70,7 +70,7 @@ def candidates_from_plan(plan: Plan, allowed: Sequence[str] | None = None, bucke
 
 #: how much faster (measured) another candidate must be to replace the planner's choice (the first candidate): a few
 #: steps on a busy machine measure the load as much as the option, so a smaller gap is no evidence
-TUNE_MARGIN = 1.05
+TUNE_MARGIN = 1.10
 
 
 def pick_fastest(trials: Sequence[Trial]) -> Trial:
