@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning.fabric.strategies.deepspeed import _validate_state_keys
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
@@ -131,6 +131,7 @@ class SeveralModelsMixin(_DeepSpeedStrategyBase):
             raise ValueError("`fabric.save` got several models but none has an optimizer: nothing is trained.")
         excluded = [obj for engine in engines.values() for obj in (engine, engine.optimizer) if obj is not None]
         client_state = {k: v for k, v in state.items() if not any(v is obj for obj in excluded)}
+        _validate_state_keys(client_state)  # the keys DeepSpeed keeps for itself, as for one model
         client_state = self._convert_stateful_objects_in_state(client_state, filter={})
         save_models_checkpoint(
             self._saver,
@@ -147,25 +148,18 @@ class SeveralModelsMixin(_DeepSpeedStrategyBase):
     def _load_models(
         self, engines: Mapping[str, Any], target: str, state: dict[str, Any], strict: bool
     ) -> dict[str, Any]:
-        trained = [key for key, engine in engines.items() if self._trains(engine)]
-        held = load_policy.models_in_checkpoint(target, trained, list(engines), self.world_size)
         wants_optimizer = any(isinstance(value, Optimizer) or hasattr(value, "loss_scale") for value in state.values())
-        client_state: dict[str, Any] = {}
-        for index, key in enumerate(held):
-            engine = engines[key]
-            path = Path(target) / key
-            load_policy.check_before_loading(
-                path, module=engine.module, strict=strict, warn=rank_zero_warn, marked=False
-            )
-            _, loaded = engine.load_checkpoint(
-                str(path),
-                tag="checkpoint",
-                load_optimizer_states=wants_optimizer,
-                load_lr_scheduler_states=False,
-                load_module_strict=strict,
-            )
-            if index == 0:
-                client_state = dict(loaded or {})
+        client_state = load_policy.load_models(
+            target,
+            {key: engine.module for key, engine in engines.items()},
+            dict(engines),
+            trained=[key for key, engine in engines.items() if self._trains(engine)],
+            world_size=self.world_size,
+            strict=strict,
+            rank=self.global_rank,
+            warn=rank_zero_warn,
+            load_optimizer_states=wants_optimizer,
+        )
         # DeepSpeed adds its own 'optimizer' and 'lr_scheduler' keys (already restored); the rest goes back into
         # the user's state as Lightning's single-engine load does
         keys = set(client_state) & set(state) - set(engines) - {"optimizer", "lr_scheduler"}

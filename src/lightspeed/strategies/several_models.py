@@ -96,9 +96,7 @@ class SeveralModelsMixin(_DeepSpeedStrategyBase):
         if self.model_engines:
             if not training or self.trained_models:
                 return  # evaluation after fit: the training engines hold the weights
-            self._unroute_models()  # fit after an evaluation: engines with optimizers this time
-            self.model_engines.clear()
-            self._engine_of_optimizer.clear()
+            self._drop_model_engines()  # fit after an evaluation: engines with optimizers this time
         module = self.lightning_module
         assert module is not None
         models = self._named_models()
@@ -157,10 +155,14 @@ class SeveralModelsMixin(_DeepSpeedStrategyBase):
         model.to(device=self.root_device, dtype=model_dtype_for(config))
         return None
 
-    def _unroute_models(self) -> None:
+    def _drop_model_engines(self) -> None:
+        """Forget the models' engines (a failed run's, or an evaluation's before ``fit``): calls of the models run
+        them no more, and the next set-up builds new ones."""
         undos, self._route_undos = self._route_undos, []
         for undo in undos:
             undo()
+        self.model_engines.clear()
+        self._engine_of_optimizer.clear()
 
     def _engine_for_optimizer(self, optimizer: Any) -> Any:
         engine = self._engine_of_optimizer.get(id(optimizer))

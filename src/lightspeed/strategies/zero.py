@@ -475,9 +475,7 @@ class ZeroStrategy(
         failed, self._failed = self._failed, False
         if failed:
             self._train_engine = None  # the engine of a failed run is not reused for evaluation
-            self._unroute_models()
-            self.model_engines = {}
-            self._engine_of_optimizer = {}
+            self._drop_model_engines()
         try:
             self._teardown_lightning()
         finally:
@@ -614,28 +612,14 @@ class ZeroStrategy(
         """A several-model checkpoint: every trained model's engine from its own folder (checked first, one error on
         every rank), or for evaluation its weights into the (partitioned) model; returns the Trainer's state."""
         module = self._module()
-        trained = list(self.trained_models) if fitting else []
-        models = load_policy.models_in_checkpoint(
-            path, trained, list(self._model_options), self.world_size if fitting else None
+        models = self._named_models()
+        return load_policy.load_models(
+            path,
+            models,
+            {name: self.model_engines[name] for name in models} if fitting else None,
+            trained=list(self.trained_models) if fitting else [],
+            world_size=self.world_size if fitting else None,  # evaluation reads any world size
+            strict=module.strict_loading,
+            rank=self.global_rank,
+            warn=rank_zero_warn,
         )
-        client_state: dict[str, Any] = {}
-        for index, name in enumerate(models):
-            model = getattr(module, name)
-            model_path = path / name
-            load_policy.check_before_loading(
-                model_path, module=model, strict=module.strict_loading, warn=rank_zero_warn, marked=False
-            )
-            if fitting:
-                _, state = self.model_engines[name].load_checkpoint(
-                    str(model_path),
-                    load_optimizer_states=True,
-                    load_lr_scheduler_states=False,
-                    load_module_strict=module.strict_loading,
-                )
-            else:  # weights only, any world size, into the (partitioned) model
-                state = load_policy.load_weights_for_evaluation(
-                    model, model_path, rank=self.global_rank, strict=module.strict_loading
-                )
-            if index == 0:
-                client_state = dict(state or {})
-        return client_state

@@ -130,7 +130,6 @@ def _export_models(
     path: Path, models: list[str], output_dir: str | os.PathLike, options: ExportOptions, progress: Progress | None
 ) -> ExportResult:
     """Each trained model of a several-model checkpoint into ``output_dir/<name>``, all committed together."""
-    check_output_dir(output_dir, options.overwrite)
     results: dict[str, ExportResult] = {}
     with staged_output(output_dir, options.overwrite) as staging:
         for name in models:

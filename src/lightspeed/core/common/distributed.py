@@ -54,8 +54,7 @@ def raise_on_every_rank(
         if error is not None:
             raise error
         return
-    reports: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, None if error is None else str(error))
+    reports: list[str | None] = values_by_rank(None if error is None else str(error))
     failed = [rank for rank, report in enumerate(reports) if report is not None]
     if not failed:
         return

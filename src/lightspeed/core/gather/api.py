@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightspeed.core.common.distributed import is_distributed
+from lightspeed.core.common.distributed import is_distributed, values_by_rank
 from lightspeed.core.gather.accounting import (
     GatherState,
     current_state,
@@ -113,9 +113,7 @@ def gather_object(obj: Any) -> list[Any]:
     if not is_distributed():
         return [obj]
     agree("gather_object", ["object"], (CallSite.OBJECT, 0), "gather_object")
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
+    return values_by_rank(obj)
 
 
 def track(dataloader: Iterable[Any], state: GatherState | None = None) -> Iterator[Any]:

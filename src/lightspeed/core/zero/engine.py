@@ -149,13 +149,7 @@ def save_zero_checkpoint(
     def write(staging: Path) -> None:
         _engine_save(engine, staging, client_state, exclude_frozen_parameters)
 
-    manifest: dict[str, Any] = {
-        "writer": "lightspeed",
-        "world_size": world_size,
-        "zero_stage": config_stage(config),
-        "tag": CHECKPOINT_TAG,
-    }
-    manifest.update(manifest_extra or {})
+    manifest = _manifest(world_size, {"zero_stage": config_stage(config)}, manifest_extra)
     extra_files = {RESOLVED_CONFIG_FILENAME: describe_config(config)}
     if node is not None:
         extra_files["latest"] = CHECKPOINT_TAG  # DeepSpeed writes it on rank 0's node only; every node resumes
@@ -183,16 +177,16 @@ def save_models_checkpoint(
         for index, name in enumerate(names):
             _engine_save(engines[name], staging / name, client_state if index == 0 else {}, exclude_frozen_parameters)
 
-    manifest: dict[str, Any] = {
-        "writer": "lightspeed",
-        "world_size": world_size,
-        MODELS_MANIFEST_KEY: {name: {"zero_stage": config_stage(configs[name])} for name in names},
-        "frozen_models": list(frozen),
-        "tag": CHECKPOINT_TAG,
-    }
-    manifest.update(manifest_extra or {})
+    models = {name: {"zero_stage": config_stage(configs[name])} for name in names}
+    manifest = _manifest(world_size, {MODELS_MANIFEST_KEY: models, "frozen_models": list(frozen)}, manifest_extra)
     extra_files = {f"{name}/{RESOLVED_CONFIG_FILENAME}": describe_config(configs[name]) for name in names}
     return saver.save(target, write, manifest=manifest, extra_files=extra_files)
+
+
+def _manifest(world_size: int, layout: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The completion marker's record of a lightspeed ZeRO checkpoint: writer, world size, tag, the ``layout``
+    (one model's stage, or several models'), then the caller's ``extra`` (step, epoch)."""
+    return {"writer": "lightspeed", "world_size": world_size, **layout, "tag": CHECKPOINT_TAG, **(extra or {})}
 
 
 def _engine_save(engine: Any, directory: Path, client_state: dict[str, Any], exclude_frozen_parameters: bool) -> None:

@@ -29,12 +29,13 @@ from lightspeed.core.errors import CheckpointError, IncompleteCheckpointError
 from lightspeed.core.reliability import reshard
 from lightspeed.core.reliability import staging as atomic_dir
 from lightspeed.core.reliability.node_local import require_part as require_node_local_part
-from lightspeed.core.zero.engine import check_loadable
+from lightspeed.core.zero.engine import CHECKPOINT_TAG, check_loadable
 from lightspeed.core.zero.weights import check_fits, load_zero_weights, read_client_state, read_structure
 
 __all__ = [
     "check_before_loading",
     "checkpoint_to_load",
+    "load_models",
     "load_weights_for_evaluation",
     "models_in_checkpoint",
 ]
@@ -103,8 +104,8 @@ def models_in_checkpoint(
         held = manifest.get(atomic_dir.MODELS_MANIFEST_KEY) or {}
         if not held:
             raise CheckpointError(
-                f"{_what(path)}: it holds one model trained with one engine, but this run trains "
-                f"{', '.join(trained)} with one engine each. Load it without models=."
+                f"{_what(path)}: it holds one model trained with one engine, but this run has "
+                f"{', '.join(trained or known)} with one engine each. Load it without models=."
             )
         if (sorted(held) != sorted(trained)) if trained else not set(held) <= set(known):
             this_run = f"trains {', '.join(sorted(trained))}" if trained else f"has {', '.join(sorted(known))}"
@@ -123,6 +124,44 @@ def models_in_checkpoint(
         error = err
     raise_on_every_rank(error, _what(path), error_type=CheckpointError)
     return list(held)
+
+
+def load_models(
+    path: str | os.PathLike[str],
+    modules: dict[str, torch.nn.Module],
+    engines: dict[str, Any] | None,
+    *,
+    trained: list[str],
+    world_size: int | None,
+    strict: bool,
+    rank: int,
+    warn: Callable[[str], None],
+    load_optimizer_states: bool = True,
+) -> dict[str, Any]:
+    """Load a several-model checkpoint into the run's models (a collective): checked first as a whole
+    (:func:`models_in_checkpoint`, ``modules`` naming the run's models) and each model's folder against its module;
+    then each model's engine loads its folder (``engines``: resuming), or without engines each folder's weights go
+    into the (possibly partitioned) module (evaluation, any world size). Returns the client state saved with the first
+    model."""
+    path = Path(path)
+    held = models_in_checkpoint(path, trained, list(modules), world_size)
+    client_state: dict[str, Any] = {}
+    for index, name in enumerate(held):
+        folder = path / name
+        check_before_loading(folder, module=modules[name], strict=strict, warn=warn, marked=False)
+        if engines is None:
+            state = load_weights_for_evaluation(modules[name], folder, rank=rank, strict=strict)
+        else:
+            _, state = engines[name].load_checkpoint(
+                str(folder),
+                tag=CHECKPOINT_TAG,
+                load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=False,
+                load_module_strict=strict,
+            )
+        if index == 0:
+            client_state = dict(state or {})
+    return client_state
 
 
 def _check_several(path: Path) -> None:

@@ -14,7 +14,8 @@ model. This module holds what both front ends share:
   ``manual_backward(loss)`` / ``loss`` without a model argument goes to the right engine;
 * the checkpoint layout (written by :func:`~lightspeed.core.zero.engine.save_models_checkpoint`, read by
   :func:`~lightspeed.core.zero.load_policy.models_in_checkpoint` and the exporter): one DeepSpeed save directory per
-  trained model inside the committed checkpoint, the trained models listed under :data:`MODELS_MANIFEST_KEY`.
+  trained model inside the committed checkpoint, the trained models listed in its completion marker
+  (:data:`~lightspeed.core.reliability.staging.MODELS_MANIFEST_KEY`).
 
 No Lightning here.
 """
@@ -29,12 +30,10 @@ import torch
 from torch import nn
 
 from lightspeed.core.errors import DeepSpeedConfigError
-from lightspeed.core.reliability.staging import MODELS_MANIFEST_KEY
 from lightspeed.core.zero.config import ZeroTuning, build_zero_config
 from lightspeed.core.zero.config.choices import check_zero_stage, offload_target
 
 __all__ = [
-    "MODELS_MANIFEST_KEY",
     "ModelOptions",
     "ModelRecipe",
     "assign_optimizers",

@@ -88,20 +88,27 @@ def checked_policy(policy: Any) -> Policy | None:
 
 def argument_problems(arguments: dict[str, Any]) -> list[str]:
     """What is wrong with the strategy arguments of the section (``name -> value``, the same names as its keys)."""
+    return _value_problems(arguments, lambda name: name, ("True", "False", "None"))
+
+
+def _value_problems(values: dict[str, Any], label: Callable[[str], str], words: tuple[str, str, str]) -> list[str]:
+    """Bad values among the section's keys in ``values``, each named by ``label`` and spelled with ``words`` (true,
+    false and none as the user writes them: Python arguments or JSON)."""
+    yes, no, none = words
     problems = []
-    for name in AUTO_KEYS:
-        value = arguments.get(name, AUTO)
+    for key in AUTO_KEYS:
+        value = values.get(key, AUTO)
         if not (isinstance(value, bool) or value == AUTO):
-            problems.append(f'{name} must be True, False or "auto", got {value!r}.')
-    for name in FLAG_KEYS:
-        value = arguments.get(name, False)
+            problems.append(f'{label(key)} must be {yes}, {no} or "auto", got {value!r}.')
+    for key in FLAG_KEYS:
+        value = values.get(key, False)
         if not isinstance(value, bool):
-            problems.append(f"{name} must be True or False, got {value!r}.")
-    value = arguments.get(NUMBER_KEY)
-    if value is not None and not _is_count(value):
+            problems.append(f"{label(key)} must be {yes} or {no}, got {value!r}.")
+    number = values.get(NUMBER_KEY)
+    if number is not None and not _is_count(number):
         problems.append(
-            f"{NUMBER_KEY} must be None or a whole number >= 1 (the checkpointed blocks in one forward pass), got "
-            f"{value!r}."
+            f"{label(NUMBER_KEY)} must be {none} or a whole number >= 1 (the checkpointed blocks in one forward "
+            f"pass), got {number!r}."
         )
     return problems
 
@@ -125,21 +132,8 @@ def section_problems(config: dict[str, Any]) -> list[str]:
     section = config.get(SECTION)
     if not isinstance(section, dict):
         return []
-    problems = []
-    for key in AUTO_KEYS:
-        value = section.get(key, False)
-        if not (isinstance(value, bool) or value == AUTO):
-            problems.append(f'{SECTION}.{key} must be true, false or "auto", got {value!r}.')
-    for key in FLAG_KEYS:
-        value = section.get(key, False)
-        if not isinstance(value, bool):
-            problems.append(f"{SECTION}.{key} must be true or false, got {value!r}.")
+    problems = _value_problems(section, lambda key: f"{SECTION}.{key}", ("true", "false", "null"))
     number = section.get(NUMBER_KEY)
-    if number is not None and not _is_count(number):
-        problems.append(
-            f"{SECTION}.{NUMBER_KEY} must be null or a whole number >= 1 (the checkpointed blocks in one forward "
-            f"pass), got {number!r}."
-        )
     if section.get("contiguous_memory_optimization") is True:
         if section.get("partition_activations") is not True:
             problems.append(
