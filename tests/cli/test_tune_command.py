@@ -10,6 +10,7 @@ from pathlib import Path
 
 from _support.launch import REPO_ROOT, child_env
 from lightspeed.cli.main import main
+from lightspeed.core.zero.tuner.decision import TUNE_MARGIN
 
 COMMAND = [sys.executable, "-m", "lightspeed.cli.main", "tune", "cli.scripts.tune_job:job"]
 
@@ -26,9 +27,11 @@ def test_tune_measures_prints_and_caches_the_fastest_option(tmp_path: Path) -> N
     speeds = {row.split()[0]: float(row.split()[1]) for row in table}
     assert set(speeds) == {"zero1", "zero2"}
     fastest = max(speeds, key=lambda name: speeds[name])
-    assert f"lightspeed tune: {fastest} (decision in {cache})" in proc.stdout
+    # the planner's choice (zero1) is kept unless the other option was measured TUNE_MARGIN times as fast
+    chosen = fastest if speeds[fastest] >= TUNE_MARGIN * speeds["zero1"] else "zero1"
+    assert f"lightspeed tune: {chosen} (decision in {cache})" in proc.stdout
     (entry,) = json.loads(cache.read_text())["entries"].values()
-    assert entry["chosen"] == fastest and entry["key"]["world_size"] == 2 and entry["key"]["micro_batch"] == 4
+    assert entry["chosen"] == chosen and entry["key"]["world_size"] == 2 and entry["key"]["micro_batch"] == 4
 
 
 def test_a_factory_that_returns_no_job_is_a_usage_error(capsys, monkeypatch) -> None:

@@ -15,6 +15,7 @@ import torch
 from _support.launch import REPO_ROOT, run_torchrun
 from _support.models import RegressionModule
 from lightspeed.core.zero.tuner import TuneRequest
+from lightspeed.core.zero.tuner.decision import TUNE_MARGIN
 from lightspeed.strategies.zero_auto import ZeroAutoStrategy
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_auto_tune.py"
@@ -41,8 +42,8 @@ def test_every_allowed_option_is_measured_and_the_fastest_trains(run: tuple[Path
     table = measured_table(result["logs"]["tuned"])
     assert list(table) == ["zero1", "zero2", "zero3"]
     fastest = max(table, key=lambda name: table[name])
-    planned = "zero1"  # the planner's choice, kept unless another candidate is measured at least 10 % faster
-    chosen = fastest if table[fastest] >= 1.10 * table[planned] else planned
+    planned = "zero1"  # the planner's choice, kept unless another candidate is measured TUNE_MARGIN times as fast
+    chosen = fastest if table[fastest] >= TUNE_MARGIN * table[planned] else planned
     assert result["chosen"]["tuned"] == chosen
     chosen_row = next(r for r in result["logs"]["tuned"][-1].splitlines() if r.startswith(chosen))
     assert chosen_row.endswith("<- chosen") and re.search(r"\d+(\.\d+)? [KMG]iB", chosen_row)  # peak memory
