@@ -6,7 +6,7 @@
 
     try:
         trainer.fit(model, datamodule, ckpt_path="last")
-    except CollectiveTimeoutError as hang:  # names the ranks that stopped answering
+    except CollectiveTimeoutError as hang:  # names the collective and the ranks that stopped answering or left
         ...
 
 Each also derives from the built-in exception it always was (``ValueError``, ``RuntimeError`` or ``TypeError``).
@@ -23,6 +23,7 @@ from lightspeed.core.errors import (
     IncompleteCheckpointError,
     LightspeedError,
     MemoryPlanError,
+    RankLostError,
     StepOutputError,
     UnevenEvaluationError,
     UnsupportedOffloadOptimizerError,
@@ -40,6 +41,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "LightspeedError",
     "MemoryPlanError",
+    "RankLostError",
     "StepOutputError",
     "UnevenEvaluationError",
     "UnsupportedOffloadOptimizerError",

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from _support.launch import REPO_ROOT, child_env, free_port
+from _support.launch import REPO_ROOT, child_env, free_port, run_launch
 
 SCRIPTS = REPO_ROOT / "tests" / "reliability" / "scripts"
 
@@ -31,9 +31,8 @@ def elastic_command(script: str, nproc: int, args: Sequence[object], max_restart
 def run_elastic(
     script: str, nproc: int, args: Sequence[object], max_restarts: int, timeout: float = 600
 ) -> subprocess.CompletedProcess:
-    """Run :func:`elastic_command` to its end."""
-    cmd = elastic_command(script, nproc, args, max_restarts)
-    return subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+    """Run :func:`elastic_command` to its end (once more after a native abort: :func:`run_launch`)."""
+    return run_launch(elastic_command(script, nproc, args, max_restarts), child_env(), timeout)
 
 
 def failure(proc: subprocess.CompletedProcess) -> str:

@@ -18,6 +18,9 @@ from lightspeed.core.reliability.hang_report import (
     collective_name,
     describe_missing_ranks,
     heartbeat_interval,
+    is_peer_lost,
+    peer_lost_message,
+    ranks_that_left,
 )
 from lightspeed.core.reliability.last_checkpoint import describe_skipped, incomplete_checkpoints
 from lightspeed.core.reliability.resumable_sampler import ResumableDistributedSampler
@@ -147,6 +150,9 @@ class _SlowStore:
     def __init__(self, seconds: float) -> None:
         self.seconds, self.writes, self.in_write = seconds, 0, threading.Event()
 
+    def delete_key(self, key: str) -> bool:
+        return False
+
     def set(self, key: str, value: str) -> None:
         self.in_write.set()
         time.sleep(self.seconds)
@@ -162,6 +168,56 @@ def test_stopping_the_heartbeat_waits_for_the_write_in_progress() -> None:
     assert store.in_write.wait(5)  # the thread is inside a write
     beat.stop()
     assert not beat._thread.is_alive() and store.writes >= 2
+
+
+def test_a_stopped_heartbeat_marks_its_rank_as_gone_until_it_starts_again() -> None:
+    import torch.distributed as dist
+
+    from _support.launch import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10))
+    beats = [Heartbeat(store, rank, interval=30.0, position=lambda: "step 7").start() for rank in range(3)]
+    assert ranks_that_left(store, 3, 0) == {}
+    beats[1].stop()
+    beats[2].stop()
+    assert ranks_that_left(store, 3, 0) == {1: "step 7", 2: "step 7"}
+    assert ranks_that_left(store, 3, 1) == {2: "step 7"}  # a rank never names itself
+    beats[1] = Heartbeat(store, 1, interval=30.0).start()  # the same rank in a process group created again
+    assert ranks_that_left(store, 3, 0) == {2: "step 7"}
+    for beat in beats[:2]:
+        beat.stop()
+
+
+def test_a_collective_ended_by_a_rank_that_left_is_told_apart_and_named() -> None:
+    import torch.distributed as dist
+
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:31903. This is ...")
+    assert is_peer_lost(lost)
+    assert is_peer_lost(
+        RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:541] Application timeout caused pair closure")
+    )
+    assert not is_peer_lost(RuntimeError("Connection closed by peer"))  # not from a collective or a backend
+    assert not is_peer_lost(ValueError("gloo: Connection closed by peer"))
+    try:
+        dist.all_reduce(torch.ones(1))  # no process group: a traceback through torch.distributed.all_reduce
+    except (RuntimeError, ValueError) as err:
+        error = RuntimeError("Connection reset by peer")
+        error.__traceback__ = err.__traceback__
+    assert is_peer_lost(error)
+    assert peer_lost_message(0, {1: "step 3"}, "`torch.distributed.all_reduce`", lost) == (
+        "Rank 0 was waiting in `torch.distributed.all_reduce` when rank 1 left the job at step 3, so the "
+        "collective can never complete; the rank that left printed its own error first (a timeout in a collective of "
+        "its own, or the failure that ended it). Exiting so that an elastic launcher (torchrun --max-restarts) can "
+        "restart the job from the last checkpoint. Backend error: [gloo/transport/tcp/pair.cc:553] Connection closed "
+        "by peer [127.0.0.1]:31903. This is ..."
+    )
+    assert peer_lost_message(2, {}, None, lost).startswith(
+        "Rank 2 was waiting in a collective when another rank closed its connection without saying so (killed, or its "
+        "machine went away), so"
+    )
+    assert "ranks 1, 3 left the job (rank 1 at step 3; rank 3 at step 2)" in peer_lost_message(
+        0, {1: "step 3", 3: "step 2"}, None, lost
+    )
 
 
 def test_incomplete_checkpoints_are_listed_and_explained(tmp_path: Path) -> None:

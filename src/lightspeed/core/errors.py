@@ -19,6 +19,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "LightspeedError",
     "MemoryPlanError",
+    "RankLostError",
     "StepOutputError",
     "UnevenEvaluationError",
     "UnsupportedOffloadOptimizerError",
@@ -57,6 +58,12 @@ class WorldSizeMismatchError(LightspeedError, ValueError):
 
 class CollectiveTimeoutError(LightspeedError, RuntimeError):
     """A collective did not complete within the process group's timeout; names the collective and missing ranks."""
+
+
+class RankLostError(CollectiveTimeoutError):
+    """Another rank left the job (it failed, or its own collective timed out first) while this rank waited in a
+    collective that can therefore never complete; names the collective and the rank. A
+    :class:`CollectiveTimeoutError`, so one ``except`` serves both ways a job stops making progress."""
 
 
 class UnevenEvaluationError(LightspeedError, RuntimeError):

@@ -8,8 +8,8 @@ usage: fabric_loop.py MODE OUT ARGS...
   writing its shard of the step-15 checkpoint, before the commit). The finishing attempt trains the same model
   uninterrupted in the same processes; rank 0 writes both weights to OUT/weights.pt and appends where each attempt
   started to OUT/attempts.jsonl.
-* ``hang OUT STRATEGY TIMEOUT_S``: rank 1 stops itself (SIGSTOP) before step 3; rank 0 writes its error to
-  OUT/rank0_error.txt.
+* ``hang OUT STRATEGY TIMEOUT_S [HOW]``: rank 1 stops itself (SIGSTOP) before step 3, or with HOW ``exits`` fails
+  there (an exception ends its process); rank 0 writes its error to OUT/rank0_error.txt.
 * ``reshard OUT GLOBAL_BATCH ACTION...`` (``write:NAME``/``resume:NAME``, as reshard.py): ZeRO 1, 2, 3; 3 steps,
   ``fabric.save``, continued to step 7 (OUT/NAME/CONFIG/reference.pt), or a checkpoint written by another number of
   processes continued to step 7 (OUT/NAME/CONFIG/resumed_<WORLD_SIZE>.pt).
@@ -126,7 +126,7 @@ def elastic(out: Path, strategy: str, faults: str) -> None:
 
 
 # -------------------------------------------------------------------------------------------------------------- hang
-def hang(out: Path, name: str, timeout_s: float) -> None:
+def hang(out: Path, name: str, timeout_s: float, how: str) -> None:
     timeout = timedelta(seconds=timeout_s)
     if name == "ddp_exact":
         strategy: Any = lightspeed.fabric.DDPExactFabricStrategy(timeout=timeout)
@@ -137,6 +137,8 @@ def hang(out: Path, name: str, timeout_s: float) -> None:
     try:
         while loop.state["step"] < 8:
             if fabric.global_rank == 1 and loop.state["step"] == 3:
+                if how == "exits":
+                    raise RuntimeError("rank 1 fails on purpose")
                 (out / "stopped_pid.txt").write_text(str(os.getpid()))  # the test kills it once rank 0 failed
                 os.kill(os.getpid(), signal.SIGSTOP)
             loop.step()
@@ -217,7 +219,7 @@ if __name__ == "__main__":
     if mode == "elastic":
         elastic(target, sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")
     elif mode == "hang":
-        hang(target, sys.argv[3], float(sys.argv[4]))
+        hang(target, sys.argv[3], float(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "stops")
     elif mode == "reshard":
         reshard(target, int(sys.argv[3]), sys.argv[4:])
     elif mode == "bad_input":

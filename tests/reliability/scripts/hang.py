@@ -1,9 +1,10 @@
 """Worker for the hang test (torchrun, 2 ranks): rank 1 stops itself (SIGSTOP) at batch 3; rank 0 must fail within
-the strategy's ``timeout=`` with an error naming the collective and rank 1, written to OUT/rank0_error.txt.
+the strategy's ``timeout=`` with an error naming the collective and rank 1, written to OUT/rank0_error.txt. With
+HOW ``exits``, rank 1 fails instead (an exception at batch 3, its process ends) and rank 0 must name it as gone.
 STRATEGY ``predict_zero3``: no rank stops, but under ZeRO-3 ``predict_step`` calls a collective of its own on rank 0
 only (at batch 1); the rank that waits fails with its error in OUT/rank<r>_error.txt.
 
-usage: hang.py OUT STRATEGY TIMEOUT_S
+usage: hang.py OUT STRATEGY TIMEOUT_S [HOW: stops (default) | exits]
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from _support.models import RegressionModule, make_regression_data
 
 
 class StopRankOne(Callback):
-    def __init__(self, out: Path) -> None:
-        self.out = out
+    def __init__(self, out: Path, how: str) -> None:
+        self.out, self.how = out, how
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         if trainer.global_rank == 1 and idx == 3:
+            if self.how == "exits":
+                raise RuntimeError("rank 1 fails on purpose")
             (self.out / "stopped_pid.txt").write_text(str(os.getpid()))  # the test kills it once rank 0 failed
             os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -50,12 +53,14 @@ def predict_with_one_rank_collective(out: Path, timeout: timedelta) -> None:
     try:
         trainer.predict(OneRankCollective(), DataLoader(make_regression_data(32), batch_size=4))
     except BaseException as err:
-        (out / f"rank{trainer.global_rank}_error.txt").write_text(f"{type(err).__name__}: {err}")
+        (out / f"rank{trainer.global_rank}_error.txt").write_text(
+            f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+        )
         raise
     (out / f"finished{trainer.global_rank}.txt").write_text("no error")
 
 
-def main(out: Path, name: str, timeout_s: float) -> None:
+def main(out: Path, name: str, timeout_s: float, how: str) -> None:
     timeout = timedelta(seconds=timeout_s)
     if name == "predict_zero3":
         predict_with_one_rank_collective(out, timeout)
@@ -74,7 +79,7 @@ def main(out: Path, name: str, timeout_s: float) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        callbacks=[StopRankOne(out)],
+        callbacks=[StopRankOne(out, how)],
     )
     try:
         trainer.fit(RegressionModule(), DataLoader(make_regression_data(), batch_size=4))
@@ -86,4 +91,4 @@ def main(out: Path, name: str, timeout_s: float) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]))
+    main(Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else "stops")

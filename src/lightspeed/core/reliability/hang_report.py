@@ -7,6 +7,13 @@ process group's store: a background thread increments a counter every ``interval
 rank's position (e.g. ``step 12``). When a collective times out, the failing rank reads every counter twice,
 ``2 * interval`` apart: a rank whose counter did not move is not running (no clock comparison across machines);
 a live rank at another position is named with it. One store write per rank and interval, nothing per collective.
+
+A rank can also leave first: its own collective timed out, or it failed, and its process ended while this rank still
+waited. gloo then ends this rank's wait at once with "Connection closed by peer" (or "reset by peer"), which names
+neither. A stopping heartbeat's last write marks its rank as gone, with its position, before the process closes its
+connections, so the rank left behind reads at once who left (:func:`ranks_that_left`), without the two-read wait:
+torchrun stops the remaining workers (SIGTERM) right after one fails. :func:`is_peer_lost` tells that error apart and
+:func:`peer_lost_message` names the collective and the rank that left.
 """
 
 from __future__ import annotations
@@ -26,12 +33,17 @@ __all__ = [
     "Heartbeat",
     "collective_name",
     "heartbeat_interval",
-    "is_collective_timeout",
     "describe_missing_ranks",
+    "is_collective_timeout",
+    "is_peer_lost",
+    "peer_lost_message",
+    "ranks_that_left",
     "timeout_message",
 ]
 
 _KEY = "lightspeed/heartbeat/"
+#: written once by a stopping heartbeat: this rank's process is ending (the value is its last position)
+_LEFT_KEY = "lightspeed/left/"
 
 
 def heartbeat_interval(timeout: timedelta) -> float:
@@ -54,6 +66,7 @@ class Heartbeat:
         self._beats = 0
 
     def start(self) -> Heartbeat:
+        self._store.delete_key(f"{_LEFT_KEY}{self._rank}")  # a process group created again in the same attempt
         self._beat()
         self._thread.start()
         return self
@@ -68,16 +81,24 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(wait)
+        if self._thread.is_alive():
+            return  # still inside a store call: no second one from this thread
+        try:
+            self._store.set(f"{_LEFT_KEY}{self._rank}", self._where())  # before the process closes its connections
+        except Exception:  # noqa: BLE001 - the store went first (its host left): the others fall back to "a rank"
+            pass
+
+    def _where(self) -> str:
+        if self._position is None:
+            return ""
+        try:
+            return self._position()
+        except Exception:  # noqa: BLE001 - the position is a courtesy; never let it kill the heartbeat
+            return ""
 
     def _beat(self) -> None:
         self._beats += 1
-        where = ""
-        if self._position is not None:
-            try:
-                where = self._position()
-            except Exception:  # noqa: BLE001 - the position is a courtesy; never let it kill the heartbeat
-                where = ""
-        self._store.set(f"{_KEY}{self._rank}", f"{self._beats}|{where}")
+        self._store.set(f"{_KEY}{self._rank}", f"{self._beats}|{self._where()}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -100,6 +121,27 @@ def _read(store: Any, world_size: int) -> dict[int, tuple[int, str] | None]:
         except Exception:  # noqa: BLE001 - an unreadable store reads as "no heartbeat"
             found[rank] = None
     return found
+
+
+def ranks_that_left(
+    store: Any, world_size: int, rank: int, wait: float = 0.0, sleep: Callable[[float], None] = time.sleep
+) -> dict[int, str]:
+    """The other ranks whose heartbeat stopped because their process was ending, with the position each had; polls
+    for up to ``wait`` seconds until one is marked (a rank whose own timeout closed the connection marks itself a
+    moment later, while it reports its own error)."""
+    deadline = time.monotonic() + wait
+    while True:
+        left: dict[int, str] = {}
+        for other in range(world_size):
+            key = f"{_LEFT_KEY}{other}"
+            try:
+                if other != rank and store.check([key]):
+                    left[other] = store.get(key).decode()
+            except Exception:  # noqa: BLE001 - an unreachable store (its host left) names nobody
+                return left
+        if left or time.monotonic() >= deadline:
+            return left
+        sleep(0.1)
 
 
 def describe_missing_ranks(
@@ -146,6 +188,26 @@ def is_collective_timeout(error: BaseException) -> bool:
     )
 
 
+#: what gloo's (and NCCL's socket transport's) errors say when the rank at the other end of a connection has gone;
+#: "application timeout caused pair closure" is the other rank's own collective timing out
+_PEER_LOST_WORDS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "application timeout caused pair closure",
+)
+
+
+def is_peer_lost(error: BaseException) -> bool:
+    """True when a collective failed because another rank's process closed its connections (it left the job)."""
+    text = str(error).lower()
+    return (
+        isinstance(error, RuntimeError)
+        and any(words in text for words in _PEER_LOST_WORDS)
+        and (collective_name(error.__traceback__) is not None or "gloo" in text or "nccl" in text)
+    )
+
+
 def collective_name(tb: TracebackType | None) -> str | None:
     """Which collective the traceback waited in: the innermost ``torch.distributed`` (or ``deepspeed.comm``)
     function, e.g. ``torch.distributed.all_reduce``; a wait inside autograd's backward with no such function is
@@ -166,6 +228,33 @@ def collective_name(tb: TracebackType | None) -> str | None:
     return name
 
 
+def _backend_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0]
+
+
+_RESTART_HINT = (
+    "Exiting so that an elastic launcher (torchrun --max-restarts) can restart the job from the last checkpoint."
+)
+
+
+def peer_lost_message(rank: int, left: dict[int, str], collective: str | None, error: BaseException) -> str:
+    """The message of :class:`~lightspeed.errors.RankLostError`; ``left`` is :func:`ranks_that_left`."""
+    what = collective or "a collective"
+    if len(left) == 1:
+        ((other, position),) = left.items()
+        who = f"rank {other} left the job{' at ' + position if position else ''}"
+    elif left:
+        where = "; ".join(f"rank {other} at {position}" for other, position in left.items() if position)
+        who = f"ranks {', '.join(map(str, left))} left the job{' (' + where + ')' if where else ''}"
+    else:
+        who = "another rank closed its connection without saying so (killed, or its machine went away)"
+    return (
+        f"Rank {rank} was waiting in {what} when {who}, so the collective can never complete; the rank that left "
+        f"printed its own error first (a timeout in a collective of its own, or the failure that ended it). "
+        f"{_RESTART_HINT} Backend error: {_backend_line(error)}"
+    )
+
+
 def timeout_message(
     error: BaseException, timeout: timedelta, rank: int, stopped: list[int], notes: str, collective: str | None
 ) -> str:
@@ -177,6 +266,5 @@ def timeout_message(
         missing = "every other rank is still running, so some rank is waiting elsewhere (not in this collective)"
     return (
         f"Rank {rank} waited {timeout.total_seconds():g}s (the strategy's `timeout=`) in {what}: {missing}"
-        f"{' (' + notes + ')' if notes else ''}. Exiting so that an elastic launcher (torchrun --max-restarts) can "
-        f"restart the job from the last checkpoint. Backend error: {str(error).strip().splitlines()[0]}"
+        f"{' (' + notes + ')' if notes else ''}. {_RESTART_HINT} Backend error: {_backend_line(error)}"
     )

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightspeed.core.errors import CollectiveTimeoutError
+from lightspeed.core.errors import CollectiveTimeoutError, RankLostError
 from lightspeed.core.reliability import hang_report
 
 __all__ = [
@@ -173,7 +173,8 @@ def lightspeed_process_group(
 @contextmanager
 def timeouts_explained() -> Iterator[None]:
     """Re-raise a collective timeout in lightspeed's group as :class:`CollectiveTimeoutError` naming the collective
-    and the ranks that stopped answering (see :func:`explain_timeout`); any other error passes unchanged."""
+    and the ranks that stopped answering, and a collective ended by a rank that left as :class:`RankLostError` (see
+    :func:`explain_timeout`); any other error passes unchanged."""
     try:
         yield
     except Exception as error:
@@ -185,17 +186,29 @@ def timeouts_explained() -> Iterator[None]:
 
 def explain_timeout(error: BaseException) -> CollectiveTimeoutError | None:
     """A :class:`~lightspeed.errors.CollectiveTimeoutError` naming the collective and the ranks that did not arrive
-    when ``error`` is a collective timeout in the group lightspeed created, else None. Waits about two heartbeat
-    intervals to tell stopped ranks from live ones."""
-    if not _monitor or not hang_report.is_collective_timeout(error):
+    when ``error`` is a collective timeout in the group lightspeed created, a :class:`~lightspeed.errors.RankLostError`
+    naming the rank that left when another rank's process ended during the collective, else None. Waits at most about
+    two heartbeat intervals to tell stopped ranks from live ones; a signal handler that fails meanwhile (Lightning's
+    SIGTERM handler broadcasts on the broken group when torchrun stops the job) only costs the details."""
+    if not _monitor:
         return None
-    stopped, notes = hang_report.describe_missing_ranks(
-        _monitor["store"], _monitor["world_size"], _monitor["rank"], _monitor["interval"], _position_text()
-    )
-    message = hang_report.timeout_message(
-        error, _monitor["timeout"], _monitor["rank"], stopped, notes, hang_report.collective_name(error.__traceback__)
-    )
-    return CollectiveTimeoutError(message)
+    store, world_size, rank, interval = (_monitor[key] for key in ("store", "world_size", "rank", "interval"))
+    collective = hang_report.collective_name(error.__traceback__)
+    if hang_report.is_peer_lost(error):  # first: the other rank's timeout says 'timeout' too
+        try:
+            left = hang_report.ranks_that_left(store, world_size, rank, wait=2 * interval + 1)
+        except Exception:  # noqa: BLE001 - see the docstring
+            left = {}
+        return RankLostError(hang_report.peer_lost_message(rank, left, collective, error))
+    if hang_report.is_collective_timeout(error):
+        try:
+            stopped, notes = hang_report.describe_missing_ranks(store, world_size, rank, interval, _position_text())
+        except Exception as interrupted:  # noqa: BLE001 - see the docstring
+            stopped, notes = [], f"the other ranks' heartbeats could not be read: {interrupted}"
+        return CollectiveTimeoutError(
+            hang_report.timeout_message(error, _monitor["timeout"], rank, stopped, notes, collective)
+        )
+    return None
 
 
 def apply_timeout_to_deepspeed_groups(timeout: timedelta | None) -> None:
