@@ -202,10 +202,17 @@ def take_turns(players: list[Player], rounds: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ the variants
 def run_trainer(
-    strategy: Any, args: argparse.Namespace, data: TensorDataset, cpu_adam: bool = False, player: Player | None = None
+    strategy: Any,
+    args: argparse.Namespace,
+    data: TensorDataset,
+    cpu_adam: bool = False,
+    player: Player | None = None,
+    batch: int | None = None,
+    accumulate: int = 1,
 ) -> dict:
-    """A Trainer run of ``--warmup + --steps`` steps (pausing after each when a ``player`` runs it); returns the
-    strategy's resolved DeepSpeed config. ``cpu_adam``: the LightningModule returns DeepSpeed's CPU Adam itself."""
+    """A Trainer run of ``--warmup + --steps`` optimizer steps of ``accumulate`` micro-batches of ``batch`` samples
+    (default ``--batch``), pausing after each optimizer step when a ``player`` runs it; returns the strategy's resolved
+    DeepSpeed config. ``cpu_adam``: the LightningModule returns DeepSpeed's CPU Adam itself."""
     import lightning as L
 
     import lightspeed  # noqa: F401
@@ -224,13 +231,15 @@ def run_trainer(
     class PauseAfterEachStep(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             assert player is not None
-            player.pause()
+            if (batch_idx + 1) % accumulate == 0:
+                player.pause()
 
     trainer = L.Trainer(
         strategy=strategy,
         accelerator=args.accelerator,
         devices=args.devices,
         max_steps=args.warmup + args.steps,
+        accumulate_grad_batches=accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -238,7 +247,7 @@ def run_trainer(
         callbacks=[PauseAfterEachStep()] if player is not None else [],
         use_distributed_sampler=False,
     )
-    trainer.fit(Module(), rank_loader(data, args.batch))
+    trainer.fit(Module(), rank_loader(data, batch or args.batch))
     return getattr(trainer.strategy, "resolved_config", None) or trainer.strategy.config
 
 

@@ -5,10 +5,14 @@ as an ordinary fixed ``ZeroStrategy`` through the Trainer, on the tiny character
 
     python bench/tune_speed.py                              # 2 CPU ranks (re-launches itself with torchrun)
     python bench/tune_speed.py --steps 30 --repeats 7 --tune-steps 10 --json out.json
+    python bench/tune_speed.py --batch 8 --accumulate 2 --micro-batches 4,16   # micro-batch sizes tuned as well
 
 First one tuned ``fit`` (``retune=True``, a fresh cache in a temporary folder, 1 training step) decides; its table of
 candidates is printed as the tuner logged it. The untuned default is the planner's choice in the same strategy
 (``memory_plan.choice``), the slowest is the lowest samples/s in the tuner's table (failed candidates left out).
+With ``--micro-batches`` the candidates also differ in micro-batch size (``tune_micro_batches``), each role trains
+with its candidate's micro-batch and accumulation, and the default is the planner's option at ``--batch x
+--accumulate``.
 
 Then the three roles train as ``ZeroStrategy(stage=..., offload_optimizer=..., offload_parameters=...)`` with the
 protocol of ``train_throughput.py`` (its :class:`Player`, :func:`take_turns` and :func:`run_trainer`): each Trainer
@@ -68,9 +72,16 @@ def tuned_fit(args: argparse.Namespace, data: TensorDataset) -> tuple[Any, list[
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     logger.addHandler(capture)
     logger.setLevel(logging.INFO)
-    strategy = ZeroAutoStrategy(tune=True, tune_steps=args.tune_steps, tune_cache=os.environ[CACHE_ENV], retune=True)
+    strategy = ZeroAutoStrategy(
+        tune=True,
+        tune_steps=args.tune_steps,
+        tune_cache=os.environ[CACHE_ENV],
+        retune=True,
+        tune_micro_batches=args.micro_batches,
+    )
     start = time.perf_counter()
-    run_trainer(strategy, argparse.Namespace(**{**vars(args), "warmup": 0, "steps": 1}), data)
+    one_step = argparse.Namespace(**{**vars(args), "warmup": 0, "steps": 1})
+    run_trainer(strategy, one_step, data, accumulate=args.accumulate)
     seconds = time.perf_counter() - start
     logger.removeHandler(capture)
     return strategy, capture.messages, seconds
@@ -86,7 +97,7 @@ def tuner_decision(args: argparse.Namespace, data: TensorDataset) -> dict[str, A
     plan = strategy.memory_plan
     assert strategy.chosen_option is not None and plan is not None and plan.choice is not None
     names = {
-        "chosen": strategy.chosen_option.name,
+        "chosen": entry["chosen"],
         "default": plan.choice.estimate.option.name,
         "slowest": min(measured, key=lambda name: measured[name]),
     }
@@ -94,11 +105,19 @@ def tuner_decision(args: argparse.Namespace, data: TensorDataset) -> dict[str, A
     tables = [m for m in messages if m.startswith("lightspeed zero_auto: measured")]
     return {
         "names": names,
-        "options": {role: by_name[name] for role, name in names.items()},
+        "options": {role: role_of(name, by_name, args) for role, name in names.items()},
         "tuner_samples_per_s": entry["samples_per_second"],
         "table": tables[-1] if tables else "(no table logged)",
         "fit_seconds": seconds,
     }
+
+
+def role_of(name: str, options: dict[str, Any], args: argparse.Namespace) -> tuple[Any, int, int]:
+    """A candidate's ZeRO option, micro-batch and accumulation from its name (``zero2+micro_batch_4``)."""
+    option, _, micro = name.partition("+micro_batch_")
+    per_step = args.batch * args.accumulate
+    size = int(micro) if micro else args.batch
+    return options[option], size, per_step // size
 
 
 # ------------------------------------------------------------------------------------------------ the fixed runs
@@ -117,9 +136,15 @@ def mean_over_ranks(value: float) -> float:
     return total.item() / torch.distributed.get_world_size()
 
 
-def player(role: str, option: Any, args: argparse.Namespace, data: TensorDataset) -> Player:
-    """A fixed-strategy Trainer run of ``option`` that takes its steps when its turn comes."""
-    return Player(role, lambda me: run_trainer(fixed_strategy(option), args, data, player=me), args.warmup, False)
+def player(role: str, candidate: tuple[Any, int, int], args: argparse.Namespace, data: TensorDataset) -> Player:
+    """A fixed-strategy Trainer run of a candidate (option, micro-batch, accumulation) that takes its optimizer steps
+    when its turn comes."""
+    option, size, accumulate = candidate
+
+    def loop(me: Player) -> None:
+        run_trainer(fixed_strategy(option), args, data, player=me, batch=size, accumulate=accumulate)
+
+    return Player(role, loop, args.warmup, False)
 
 
 def measure(options: dict[str, Any], args: argparse.Namespace, data: TensorDataset) -> dict[str, dict[str, list]]:
@@ -133,10 +158,10 @@ def measure(options: dict[str, Any], args: argparse.Namespace, data: TensorDatas
         take_turns(players, args.warmup + args.steps)
         for done in players:
             wall = mean_over_ranks(sum(done.walls[args.warmup :]))
-            rates[done.name].append(args.steps * args.batch * args.devices / wall)
+            rates[done.name].append(args.steps * args.batch * args.accumulate * args.devices / wall)
             cpu_ms[done.name].append(1000 * mean_over_ranks(sum(done.cpus[args.warmup :])) / args.steps)
         if int(os.environ["RANK"]) == 0:
-            cells = [f"{role} ({options[role].name}) {rates[role][-1]:.1f}" for role in ROLES]
+            cells = [f"{role} {rates[role][-1]:.1f}" for role in ROLES]
             print(f"[repeat {repeat + 1}] samples/s: " + ", ".join(cells), flush=True)
     return {"samples_per_s": rates, "cpu_ms_per_step": cpu_ms}
 
@@ -171,7 +196,9 @@ def report(decision: dict[str, Any], measured: dict[str, Any], args: argparse.Na
     parameters = sum(p.numel() for p in make_model().parameters())
     print(
         f"\ntiny LM (4 x 256, context {CONTEXT}, {parameters / 1e6:.2f}M parameters), {args.devices} x "
-        f"{args.accelerator}, micro-batch {args.batch}, fp32; the tuner measured {args.tune_steps} steps per candidate"
+        f"{args.accelerator}, micro-batch {args.batch} x accumulation {args.accumulate}, fp32; the tuner measured "
+        f"{args.tune_steps} steps per candidate"
+        + (f", micro-batch sizes {args.micro_batches} as well" if args.micro_batches else "")
     )
     print(f"Lightning {lightning.__version__}, DeepSpeed {deepspeed.__version__}, torch {torch.__version__}")
     print("load average (1/5/15 min): start " + " / ".join(f"{x:.2f}" for x in loads[0]), end="")
@@ -181,12 +208,12 @@ def report(decision: dict[str, Any], measured: dict[str, Any], args: argparse.Na
         f"\nfixed-strategy Trainer runs taking steps in turn, {args.steps} timed steps after {args.warmup}, "
         f"medians of {args.repeats} repeats"
     )
-    print(f"{'role':<9}{'option':<26}{'samples/s':>10}{'CPU ms/step':>13}{'tuner (per rank)':>18}")
+    print(f"{'role':<9}{'candidate':<32}{'samples/s':>10}{'CPU ms/step':>13}{'tuner (per rank)':>18}")
     for role in ROLES:
         tuner = decision["tuner_samples_per_s"].get(names[role])
         tuner_cell = f"{tuner:.1f}" if tuner is not None else "-"
         speed, cpu = statistics.median(rates[role]), statistics.median(cpu_ms[role])
-        print(f"{role:<9}{names[role]:<26}{speed:>10.1f}{cpu:>13.1f}{tuner_cell:>18}")
+        print(f"{role:<9}{names[role]:<32}{speed:>10.1f}{cpu:>13.1f}{tuner_cell:>18}")
     for role in ("default", "slowest"):
         print(f"chosen / {role}: {ratio_line(decision, measured, role)}")
 
@@ -196,7 +223,8 @@ def worker(args: argparse.Namespace) -> None:
         raise SystemExit("--warmup must be at least 1 (the first step also builds the engine)")
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecation of DeepSpeed's collectives
     loads = [os.getloadavg()]
-    data = make_data(args.batch * args.devices * (max(args.warmup + args.steps, args.tune_steps + 1) + 1))
+    per_step = args.batch * args.accumulate * args.devices
+    data = make_data(per_step * (max(args.warmup + args.steps, 2 * (args.tune_steps + 1)) + 1))
     decision = tuner_decision(args, data)
     measured = measure(decision["options"], args, data)
     loads.append(os.getloadavg())
@@ -211,6 +239,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument(
+        "--micro-batches",
+        type=lambda text: [int(size) for size in text.split(",")],
+        help="micro-batch sizes the tuner tries as well (tune_micro_batches), e.g. 4,16",
+    )
     parser.add_argument("--tune-steps", type=int, default=3, help="the tuner's measured steps per candidate")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)

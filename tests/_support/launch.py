@@ -75,6 +75,13 @@ def run_torchrun(
     return _check(proc, f"torchrun {Path(script).name}") if check else proc
 
 
+def _abort_report(output: str) -> str:
+    """The aborted rank's Python stacks (``Fatal Python error`` onwards, as ``PYTHONFAULTHANDLER`` prints them), else
+    the output's end."""
+    start = output.find("Fatal Python error")
+    return output[start : start + 12000] if start >= 0 else output[-3000:]
+
+
 def run_launch(
     cmd: Sequence[str], env: dict[str, str], timeout: float, *, retry_native_abort: bool = True
 ) -> subprocess.CompletedProcess:
@@ -84,7 +91,7 @@ def run_launch(
     if retry_native_abort and proc.returncode != 0 and NATIVE_ABORT in (proc.stdout or "") + (proc.stderr or ""):
         warnings.warn(
             f"{Path(cmd[-1]).name if cmd else 'a launch'}: a rank aborted in native code ({NATIVE_ABORT!r}); running "
-            f"the launch once more. Its output:\n{(proc.stderr or '')[-3000:]}",
+            f"the launch once more. Its output:\n{_abort_report(proc.stdout + proc.stderr)}",
             stacklevel=2,
         )
         proc = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)

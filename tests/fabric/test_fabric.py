@@ -22,6 +22,7 @@ from _support.launch import REPO_ROOT, child_env, run_torchrun
 from _support.models import make_net, make_regression_data, reference_training
 from lightspeed.core.reliability import staging as atomic_dir
 from lightspeed.core.zero.config import ZERO_PRESETS, DeepSpeedConfigError
+from lightspeed.core.zero.tuner.decision import TUNE_MARGIN
 from lightspeed.export import export_checkpoint
 
 SCRIPTS = REPO_ROOT / "tests" / "fabric" / "scripts"
@@ -264,13 +265,35 @@ def test_a_torch_scheduler_built_on_the_returned_optimizer_trains_like_torch_by_
 
 
 def test_zero_auto_tuning_measures_picks_the_fastest_and_trains_like_the_untuned_choice(cases: Path) -> None:
-    """``ZeroAutoFabricStrategy(tune=True, tune_batches=..., tune_loss=...)``: zero1 and zero2 measured at
-    ``fabric.setup``, the fastest trains, bit for bit as the same option without tuning."""
+    """``ZeroAutoFabricStrategy(tune=True, tune_batches=..., tune_loss=..., tune_micro_batches=[1, 2])``: zero1 and
+    zero2 at micro-batches of 4 (the loader's), 1 and 2 measured at ``fabric.setup``; the winner's option trains, bit
+    for bit as the same option without tuning, and a winning micro-batch size is reported for the loop to use."""
     meta, weights = _meta(cases, "tune_zero_auto"), torch.load(cases / "tune_zero_auto.pt")
     (table,) = meta["logs"]
     rows = table.splitlines()[2:]
     speeds = {row.split()[0]: float(row.split()[1]) for row in rows}
-    assert set(speeds) == {"zero1", "zero2"} and meta["chosen"] == max(speeds, key=lambda n: speeds[n])
+    assert list(speeds) == [
+        "zero1",
+        "zero1+micro_batch_1",
+        "zero1+micro_batch_2",
+        "zero2",
+        "zero2+micro_batch_1",
+        "zero2+micro_batch_2",
+    ]
+    fastest = max(speeds, key=lambda n: speeds[n])
+    winner = fastest if speeds[fastest] >= TUNE_MARGIN * speeds["zero1"] else "zero1"  # the planner's choice kept
+    option, _, micro = winner.partition("+micro_batch_")
+    assert meta["chosen"] == option
+    if micro:
+        assert meta["tuned_micro_batch"] == [int(micro), 4 // int(micro)]
+        assert meta["micro_batch_report"] == [
+            f"lightspeed zero_auto: micro-batches of {micro} with {4 // int(micro)} per optimizer step trained fastest "
+            "(the same samples per step as 4 x 1). Fabric's loop owns its DataLoader: build it with "
+            f"batch_size={micro} and accumulate {4 // int(micro)} micro-batches per step to use it "
+            "(strategy.tuned_micro_batch, strategy.tuned_accumulation); this run keeps its own batches."
+        ]
+    else:
+        assert meta["tuned_micro_batch"] == [None, None] and meta["micro_batch_report"] == []
     tuned = {k.removeprefix("tuned."): v for k, v in weights.items() if k.startswith("tuned.")}
     fixed = {k.removeprefix("fixed."): v for k, v in weights.items() if k.startswith("fixed.")}
     assert tuned.keys() == fixed.keys() and all(torch.equal(tuned[k], fixed[k]) for k in tuned)

@@ -1,6 +1,7 @@
 """zero_auto's measured mode on 2 CPU ranks (``ZeroAutoStrategy(tune=True)``): trials of every allowed option that
 fits, a table of samples/s and peak memory, the fastest chosen, the tuned run bit for bit equal to an untuned run with
-the chosen config, the decision cached and reused, ``retune``, a cache of another model not reused, and the errors."""
+the chosen config, the decision cached and reused, ``retune``, a cache of another model not reused, micro-batch sizes
+tried and applied (``tune_micro_batches``), and the errors."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from _support.launch import REPO_ROOT, run_torchrun
-from _support.models import RegressionModule
-from lightspeed.core.zero.tuner import TuneRequest
+from _support.models import RegressionModule, make_regression_data
+from lightspeed.core.zero.tuner import TuneRequest, first_batches, micro_batch_choices, rebatched
 from lightspeed.core.zero.tuner.decision import TUNE_MARGIN
 from lightspeed.strategies.zero_auto import ZeroAutoStrategy
 
@@ -100,6 +102,11 @@ def test_bad_tuning_input_is_a_clear_error(run: tuple[Path, dict[str, Any]]) -> 
         "message": "tune_options names zero9, which zero_auto does not know; choose from zero1, zero2, zero2_offload, "
         "zero3, zero3_offload_optimizer, zero3_offload_params, zero3_offload, zero3_nvme.",
     }
+    assert result["accumulation_scheduler"] == {
+        "type": "ValueError",
+        "message": "tune_micro_batches sets accumulate_grad_batches to keep the samples per optimizer step, but a "
+        "GradientAccumulationScheduler changes it every epoch; remove one of the two.",
+    }
     assert result["nothing_fits"]["type"] == "MemoryPlanError"
     assert result["nothing_fits"]["message"].startswith("No ZeRO option fits 708 parameters")
 
@@ -110,3 +117,65 @@ def test_tuning_arguments_are_checked_when_the_strategy_is_made() -> None:
     with pytest.raises(TypeError, match=r"^tune_options is a list of option names, e.g. \['zero2'\]"):
         ZeroAutoStrategy(tune=True, tune_options="zero2")
     assert TuneRequest.checked(True, 2, ["zero1"], False, None, False).options == ("zero1",)
+
+
+def test_micro_batch_sizes_are_measured_and_a_chosen_one_rebatches_the_run_like_an_untuned_run(
+    run: tuple[Path, dict[str, Any]],
+) -> None:
+    """batch_size=4 x accumulate_grad_batches=2 with tune_micro_batches=[2, 8]: the run's own size first, each with
+    the accumulation that keeps 8 samples per rank and step; micro-batches of 8 (forced) re-batch the DataLoader,
+    set accumulate_grad_batches=1, and train bit for bit as a run written with batch_size=8."""
+    out, result = run
+    assert list(measured_table(result["logs"]["micro"])) == ["zero2", "zero2+micro_batch_2", "zero2+micro_batch_8"]
+    assert result["logs"]["micro"][-1] == (
+        "lightspeed zero_auto: training with micro-batches of 8 and accumulate_grad_batches=1 (the same samples per "
+        "optimizer step as the DataLoader's batch_size=4 x accumulate_grad_batches=2)."
+    )
+    assert result["batching"]["micro"] == result["batching"]["micro_fixed"] == [8, 1]
+    assert result["batching"]["tuned"] == [4, 1]
+    tuned, fixed = torch.load(out / "micro.pt"), torch.load(out / "micro_fixed.pt")
+    assert tuned.keys() == fixed.keys() and all(torch.equal(tuned[key], fixed[key]) for key in tuned)
+    start = RegressionModule().state_dict()
+    assert (tuned["net.0.weight"] - start["net.0.weight"]).abs().max() > 1e-3
+
+
+def test_micro_batch_tuning_input_is_checked(tmp_path: Path) -> None:
+    for wrong in ("4", [0], [True], 4, []):
+        with pytest.raises(
+            ValueError, match=r"^tune_micro_batches is a list of the micro-batch sizes the tuner may try"
+        ):
+            ZeroAutoStrategy(tune=True, tune_micro_batches=wrong)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^tune_micro_batches is what tune=True may try; set tune=True as well"):
+        ZeroAutoStrategy(tune_micro_batches=[2])
+    with pytest.raises(ValueError) as caught:
+        ZeroAutoStrategy(tune=True, tune_micro_batches=[2], config={"train_micro_batch_size_per_gpu": 4})
+    assert str(caught.value) == (
+        "tune_micro_batches lets the tuner choose the micro-batch size and accumulation, but the DeepSpeed config "
+        'fixes train_micro_batch_size_per_gpu=4; set them to "auto" (or remove them), or leave tune_micro_batches '
+        "unset."
+    )
+    assert micro_batch_choices([8, 2, 2, 4], 4, 2) == [(4, 2), (8, 1), (2, 4)]
+    with pytest.raises(ValueError) as caught:
+        micro_batch_choices([3, 16], 4, 2)
+    assert str(caught.value) == (
+        "tune_micro_batches=[3, 16] holds 3, 16, which do not divide the 8 samples each rank trains per optimizer "
+        "step (micro-batch 4 x accumulation 2); the tuner keeps that batch, so it can only try sizes that divide it: "
+        "1, 2, 4, 8."
+    )
+    with pytest.raises(ValueError, match=r"^tune_micro_batches needs the run's micro-batch size, but the training "):
+        micro_batch_choices([2], None, 1)
+
+
+def test_trial_batches_of_another_size_hold_the_loaders_samples_in_its_order() -> None:
+    data = make_regression_data(12)
+    torch.manual_seed(3)
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    state = torch.random.get_rng_state()
+    order = torch.cat([x for x, _ in loader])
+    torch.random.set_rng_state(state)
+    halves = first_batches(loader, 10, 2)
+    assert [len(x) for x, _ in halves] == [2] * 6 and torch.equal(torch.cat([x for x, _ in halves]), order)
+    assert [len(x) for x, _ in first_batches(loader, 2)] == [4, 4]
+    odd = DataLoader(data, batch_sampler=[[0, 1], [2]])
+    with pytest.raises(ValueError, match=r"^tune_micro_batches re-batches the training data, which needs a torch "):
+        rebatched(odd, 2)

@@ -38,6 +38,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--buckets", action="store_true", help="also try DeepSpeed's own bucket sizes")
     parser.add_argument("--cache", help="the decisions file (default ~/.cache/lightspeed/zero_tune.json)")
     parser.add_argument("--retune", action="store_true", help="measure even when the cache holds a decision")
+    parser.add_argument(
+        "--micro-batches",
+        help="comma-separated micro-batch sizes to try as well, each keeping batch_size x --accumulate per step",
+    )
+    parser.add_argument(
+        "--accumulate", type=int, default=1, help="the run's accumulate_grad_batches (default 1; the cache keys on it)"
+    )
     parser.add_argument("--host-memory", metavar="SIZE", help="host memory per node to plan with (e.g. 64GB)")
     parser.add_argument("--device-memory", metavar="SIZE", help="memory per device to plan with (e.g. 80GB)")
 
@@ -63,6 +70,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}.")
+    if args.accumulate < 1:
+        raise UsageError(f"--accumulate must be at least 1, got {args.accumulate}.")
+    try:
+        micro_batches = [int(size) for size in args.micro_batches.split(",")] if args.micro_batches else None
+    except ValueError:
+        raise UsageError(f"--micro-batches takes sizes such as 2,4,8; got {args.micro_batches!r}.") from None
     module, data = _job(args.factory)
     strategy = ZeroAutoStrategy(
         tune=True,
@@ -71,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         tune_buckets=args.buckets,
         tune_cache=args.cache,
         retune=args.retune,
+        tune_micro_batches=micro_batches,
         host_memory=args.host_memory,
         device_memory=args.device_memory,
     )
@@ -79,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         accelerator=args.accelerator,
         devices=args.devices,
         precision=args.precision,
+        accumulate_grad_batches=args.accumulate,
         max_steps=0,  # the trials run while the strategy is set up; nothing trains afterwards
         logger=False,
         enable_checkpointing=False,
@@ -91,5 +106,7 @@ def run(args: argparse.Namespace) -> int:
         trainer.fit(module, train_dataloaders=data)
     if trainer.is_global_zero and strategy.chosen_option is not None:
         cache = strategy.tune_request.cache_path or DEFAULT_CACHE_PATH
-        print(f"lightspeed tune: {strategy.chosen_option.name} (decision in {cache})")
+        micro = f" with micro-batches of {strategy.tuned_micro_batch}" if strategy.tuned_micro_batch else ""
+        accumulate = f" and accumulate_grad_batches={trainer.accumulate_grad_batches}" if micro else ""
+        print(f"lightspeed tune: {strategy.chosen_option.name}{micro}{accumulate} (decision in {cache})")
     return EXIT_OK

@@ -4,7 +4,6 @@ this machine's memory (the Trainer's is :mod:`lightspeed.strategies.zero_auto`; 
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -21,11 +20,7 @@ from typing_extensions import override
 from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.engine import one_optimizer_error
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
-from lightspeed.core.zero.tuner import (
-    TrialParts,
-    TuneRequest,
-    copy_module_and_optimizer,
-)
+from lightspeed.core.zero.tuner import TrialParts, TuneRequest, copy_module_and_optimizer, first_batches
 from lightspeed.fabric.zero import ConfigOptimizer, ZeroFabricStrategy, unknown_keywords_error
 
 if TYPE_CHECKING:
@@ -65,6 +60,11 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         tune_batches: this rank's training micro-batches (e.g. the ``DataLoader`` of the loop, before
             ``fabric.setup_dataloaders``); the first few are used, moved to the device.
         tune_loss: ``(model, batch) -> loss`` for one micro-batch, as the loop computes it.
+        tune_micro_batches: micro-batch sizes to measure as well (``tune_batches`` must be a DataLoader built with
+            ``batch_size=``; each size with the accumulation that keeps ``batch_size x`` the config's
+            ``gradient_accumulation_steps``). Fabric's loop owns its DataLoader and accumulation, so the fastest size
+            is reported (logged, and as ``tuned_micro_batch`` / ``tuned_accumulation``) for the loop to use; the run
+            itself keeps its batches, with the winner's ZeRO option.
     """
 
     def __init__(
@@ -83,9 +83,12 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         retune: bool = False,
         tune_batches: Iterable[Any] | None = None,
         tune_loss: Callable[[Module, Any], torch.Tensor] | None = None,
+        tune_micro_batches: Sequence[int] | None = None,
         **kwargs: Any,
     ) -> None:
-        self.tune_request = TuneRequest.checked(tune, tune_steps, tune_options, tune_buckets, tune_cache, retune)
+        self.tune_request = TuneRequest.checked(
+            tune, tune_steps, tune_options, tune_buckets, tune_cache, retune, tune_micro_batches
+        )
         if tune and (tune_batches is None or tune_loss is None):
             raise TypeError(
                 "ZeroAutoFabricStrategy(tune=True) measures training steps, but Fabric's strategy does not see the "
@@ -109,8 +112,13 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         self._init_lightning(
             self.request.user_config, activation_checkpointing_policy=self.request.tuning.policy, **kwargs
         )
+        self.tune_request.check_config(self.request.user_config)
         self.memory_plan: Plan | None = None
         self.chosen_option: ZeroOption | None = None
+        #: the fastest micro-batch size and its accumulation, when ``tune_micro_batches`` found one faster than the
+        #: loop's (reported only: the loop owns its DataLoader and accumulation)
+        self.tuned_micro_batch: int | None = None
+        self.tuned_accumulation: int | None = None
 
     def choose(self, module: Module) -> ZeroOption:
         """Measure, plan, log the table and configure this strategy as the chosen option."""
@@ -137,14 +145,24 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
             copy_model=lambda: copy_module_and_optimizer(module, optimizer),
             resolve=lambda config: self._resolved(config, module)[0],
             loss=lambda model, batch, index: loss(model, move_data_to_device(batch, self.root_device)),
-            take_batches=lambda n: list(itertools.islice(iter(batches), n)),
+            take_batches=lambda n, size: first_batches(batches, n, size),
             micro_batch=getattr(batches, "batch_size", None),
             device=self.root_device,
             local_rank=self.local_rank,
             world_size=self.world_size,
             precision=str(self.precision.precision),
+            accumulation=self.accumulation_steps_in_config or 1,
         )
         chosen = self.tune_request.choose(self.memory_plan, self.request, module, trial, info=rank_zero_info)
+        if chosen.micro_batch is not None and chosen.accumulation is not None:
+            self.tuned_micro_batch, self.tuned_accumulation = chosen.micro_batch, chosen.accumulation
+            rank_zero_info(
+                f"lightspeed zero_auto: micro-batches of {chosen.micro_batch} with {chosen.accumulation} per optimizer "
+                f"step trained fastest (the same samples per step as {trial.micro_batch} x {trial.accumulation}). "
+                "Fabric's loop owns its DataLoader: build it with batch_size="
+                f"{chosen.micro_batch} and accumulate {chosen.accumulation} micro-batches per step to use it "
+                "(strategy.tuned_micro_batch, strategy.tuned_accumulation); this run keeps its own batches."
+            )
         self.chosen_option = chosen.option
         self._recipe = chosen.config(self.request)
         self.config = self._recipe

@@ -16,10 +16,15 @@ __all__ = ["collect_training_facts"]
 
 
 def collect_training_facts(
-    module: pl.LightningModule | None, world_size: int, precision: str, config: dict[str, Any]
+    module: pl.LightningModule | None,
+    world_size: int,
+    precision: str,
+    config: dict[str, Any],
+    micro_batch_size: int | None = None,
 ) -> TrainingFacts:
     """The facts ``config``'s ``"auto"`` values are resolved from. Outside ``fit`` (or without a Trainer) the
-    training-only facts (batch size, optimizer, total steps) are unknown and left ``None``."""
+    training-only facts (batch size, optimizer, total steps) are unknown and left ``None``. ``micro_batch_size``:
+    the size training uses instead of the training DataLoader's (``zero_auto``'s tuner re-batches it)."""
     trainer = module.trainer if module is not None and module._trainer is not None else None
     if module is None or trainer is None:
         return TrainingFacts(
@@ -33,7 +38,7 @@ def collect_training_facts(
     fitting = trainer.state.fn == TrainerFn.FITTING
     return TrainingFacts(
         world_size=world_size,
-        micro_batch_size=_train_micro_batch_size(trainer) if fitting else None,
+        micro_batch_size=(micro_batch_size or _train_micro_batch_size(trainer)) if fitting else None,
         accumulate_grad_batches=trainer.accumulate_grad_batches,
         gradient_clip_val=trainer.gradient_clip_val,
         precision=precision,

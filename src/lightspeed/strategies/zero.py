@@ -372,12 +372,20 @@ class ZeroStrategy(
             self._init_deepspeed_distributed()
 
     # ------------------------------------------------------------------ config resolution
+    def _trained_micro_batch(self) -> int | None:
+        """The micro-batch size training uses when it is not the training DataLoader's (``zero_auto``'s tuner)."""
+        return None
+
     @override
     def _format_config(self) -> None:
         resolved, notes = resolve_config_with_notes(
             self.config,
             collect_training_facts(
-                self.lightning_module, self.world_size, self.precision_plugin.precision, self.config
+                self.lightning_module,
+                self.world_size,
+                self.precision_plugin.precision,
+                self.config,
+                micro_batch_size=self._trained_micro_batch(),
             ),
         )
         self.config = resolved

@@ -8,30 +8,35 @@ and host memory; the smallest budgets across ranks decide, so all ranks make the
 
 ``tune=True`` measures instead of assuming (:mod:`lightspeed.core.zero.tuner`): before ``fit`` trains, a few real
 steps of every option that fits, on copies of the model and its optimizer and the run's first batches; the fastest
-wins and is remembered in a JSON cache.
+wins and is remembered in a JSON cache. With ``tune_micro_batches`` the candidates also differ in micro-batch size,
+each with the accumulation that keeps the samples per optimizer step; a chosen size re-batches the training
+DataLoader (``process_dataloader``) and sets the Trainer's ``accumulate_grad_batches``.
 """
 
 from __future__ import annotations
 
 import inspect
-import itertools
 import os
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.fabric.utilities.data import (
+    _get_dataloader_init_args_and_kwargs,
+    _reinstantiate_wrapped_cls,
+    _replace_value_in_saved_args,
+)
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.config import resolve_config_with_notes
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
-from lightspeed.core.zero.tuner import (
-    TrialParts,
-    TuneRequest,
-)
+from lightspeed.core.zero.tuner import TrialParts, TuneRequest, first_batches
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies._tuning import copy_lightning_module, training_loss
 from lightspeed.strategies.zero import ZeroStrategy
@@ -57,9 +62,14 @@ class ZeroAutoStrategy(ZeroStrategy):
             and optimizer and the run's first batches, in this run's processes) and choose the fastest; logs a table
             of samples/s and peak memory. The run afterwards equals an untuned run with the chosen config bit for
             bit. ``fit`` only; the copies need room for a second copy of the model while they run.
-        tune_steps: measured steps per candidate.
+        tune_steps: measured optimizer steps per candidate (each of ``accumulate_grad_batches`` micro-batches).
         tune_options: the option names to try (e.g. ``["zero2", "zero3"]``); default: every option that fits.
         tune_buckets: also try DeepSpeed's own bucket sizes for each option.
+        tune_micro_batches: micro-batch sizes the tuner may also try (e.g. ``[4, 8, 16]``), each with the
+            ``accumulate_grad_batches`` that keeps the samples per optimizer step (so it must divide ``batch_size x
+            accumulate_grad_batches``). A size that wins re-batches the training DataLoader (it must be built with
+            ``batch_size=``) and sets ``trainer.accumulate_grad_batches``; the run then equals an untuned run with that
+            batch size and accumulation. The DeepSpeed config must leave the batch sizes ``"auto"``.
         tune_cache: the JSON file of decisions (default ``~/.cache/lightspeed/zero_tune.json``); a decision is reused
             only for the same model shapes, world size, precision, micro-batch size, hardware and candidates.
         retune: measure even when the cache holds a decision.
@@ -85,9 +95,12 @@ class ZeroAutoStrategy(ZeroStrategy):
         tune_buckets: bool = False,
         tune_cache: str | os.PathLike | None = None,
         retune: bool = False,
+        tune_micro_batches: Sequence[int] | None = None,
         **kwargs: Any,
     ) -> None:
-        self.tune_request = TuneRequest.checked(tune, tune_steps, tune_options, tune_buckets, tune_cache, retune)
+        self.tune_request = TuneRequest.checked(
+            tune, tune_steps, tune_options, tune_buckets, tune_cache, retune, tune_micro_batches
+        )
         self.request = ZeroAutoRequest.from_arguments(
             safety_margin=safety_margin,
             device_memory=device_memory,
@@ -101,8 +114,11 @@ class ZeroAutoStrategy(ZeroStrategy):
         self._init_lightning(
             self.request.user_config, activation_checkpointing_policy=self.request.tuning.policy, **kwargs
         )
+        self.tune_request.check_config(self.request.user_config)
         self.memory_plan: Plan | None = None
         self.chosen_option: ZeroOption | None = None
+        #: the micro-batch size the tuner chose when it differs from the DataLoader's (``tune_micro_batches``)
+        self.tuned_micro_batch: int | None = None
 
     # ------------------------------------------------------------------ measuring and choosing
     def _model_has_parameters(self) -> bool:
@@ -136,6 +152,13 @@ class ZeroAutoStrategy(ZeroStrategy):
                 "optimization only; using the planner's choice."
             )
             return
+        if self.tune_request.micro_batches is not None and any(
+            isinstance(callback, GradientAccumulationScheduler) for callback in getattr(trainer, "callbacks", [])
+        ):
+            raise ValueError(
+                "tune_micro_batches sets accumulate_grad_batches to keep the samples per optimizer step, but a "
+                "GradientAccumulationScheduler changes it every epoch; remove one of the two."
+            )
         loader = trainer.fit_loop._data_source.dataloader()  # the user's loader, as Lightning will set it up
         trial = TrialParts(
             copy_model=lambda: copy_lightning_module(module),
@@ -143,22 +166,49 @@ class ZeroAutoStrategy(ZeroStrategy):
             loss=lambda model, batch, index: training_loss(
                 model, self.precision_plugin.convert_input(move_data_to_device(batch, self.root_device)), index
             ),
-            take_batches=lambda n: list(itertools.islice(iter(loader), n)),
+            take_batches=lambda n, size: first_batches(loader, n, size),
             micro_batch=getattr(loader, "batch_size", None),
             device=self.root_device,
             local_rank=self.local_rank,
             world_size=self.world_size,
             precision=str(self.precision_plugin.precision),
+            accumulation=trainer.accumulate_grad_batches,
         )
         chosen = self.tune_request.choose(plan, self.request, module, trial, info=rank_zero_info)
         self.chosen_option = chosen.option
         self.config = chosen.config(self.request)
+        if chosen.micro_batch is not None and chosen.accumulation is not None:
+            self.tuned_micro_batch = chosen.micro_batch
+            trainer.accumulate_grad_batches = chosen.accumulation
+            rank_zero_info(
+                f"lightspeed zero_auto: training with micro-batches of {chosen.micro_batch} and "
+                f"accumulate_grad_batches={chosen.accumulation} (the same samples per optimizer step as the "
+                f"DataLoader's batch_size={trial.micro_batch} x accumulate_grad_batches={trial.accumulation})."
+            )
 
     def _resolved(self, config: dict[str, Any], module: pl.LightningModule) -> dict[str, Any]:
         facts = collect_training_facts(module, self.world_size, self.precision_plugin.precision, config)
         return resolve_config_with_notes(config, facts)[0]
 
     # ------------------------------------------------------------------ hooks
+    @override
+    def _trained_micro_batch(self) -> int | None:
+        return self.tuned_micro_batch
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        if (
+            self.tuned_micro_batch is not None
+            and trainer is not None
+            and trainer.state.stage == RunningStage.TRAINING
+            and isinstance(dataloader, DataLoader)
+            and dataloader.batch_size != self.tuned_micro_batch
+        ):
+            dataloader = with_batch_size(dataloader, self.tuned_micro_batch)
+        return super().process_dataloader(dataloader)
+
     @override
     def _format_config(self) -> None:
         if self.chosen_option is None:
@@ -174,3 +224,15 @@ class ZeroAutoStrategy(ZeroStrategy):
             return
         with super().model_sharded_context():
             yield
+
+
+def with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
+    """``loader`` built again (its class, arguments and sampler) with ``batch_size``, through Lightning's
+    re-instantiation of DataLoaders (the one that injects the distributed sampler)."""
+    args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler)
+    saved_names: tuple[str, ...] = getattr(loader, "__pl_saved_arg_names", ())
+    defaults: dict[str, Any] = getattr(loader, "__pl_saved_default_kwargs", {})
+    replaced, args, kwargs = _replace_value_in_saved_args("batch_size", batch_size, args, kwargs, defaults, saved_names)
+    if not replaced:
+        kwargs["batch_size"] = batch_size
+    return _reinstantiate_wrapped_cls(loader, *args, **kwargs)

@@ -413,6 +413,7 @@ def scenario_tune(name: str, out: Path) -> tuple[dict, dict]:
         host_memory="20GB",
         tune_batches=DataLoader(make_regression_data(), batch_size=4),
         tune_loss=mse,
+        tune_micro_batches=[1, 2],
     )
     tuned = train(tuned_strategy)
     for logger in loggers:
@@ -420,7 +421,12 @@ def scenario_tune(name: str, out: Path) -> tuple[dict, dict]:
     chosen = tuned_strategy.chosen_option
     assert chosen is not None
     fixed = train(ZeroFabricStrategy(stage=chosen.stage))
-    meta = {"chosen": chosen.name, "logs": [m for m in messages if "zero_auto: measured" in m]}
+    meta = {
+        "chosen": chosen.name,
+        "logs": [m for m in messages if "zero_auto: measured" in m],
+        "micro_batch_report": [m for m in messages if "trained fastest" in m],
+        "tuned_micro_batch": [tuned_strategy.tuned_micro_batch, tuned_strategy.tuned_accumulation],
+    }
     return meta, {**{f"tuned.{k}": v for k, v in tuned.items()}, **{f"fixed.{k}": v for k, v in fixed.items()}}
 
 

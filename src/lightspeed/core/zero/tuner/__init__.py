@@ -2,9 +2,17 @@
 in the run's own processes, pick the fastest, and remember the decision (:mod:`.trials`, :mod:`.cache`,
 :mod:`.decision`, :mod:`.copies`)."""
 
+from lightspeed.core.zero.tuner.batches import first_batches, rebatched
 from lightspeed.core.zero.tuner.cache import DEFAULT_CACHE_PATH, TuningCache, TuningKey
 from lightspeed.core.zero.tuner.copies import copy_module_and_optimizer
-from lightspeed.core.zero.tuner.decision import TrialParts, TuneRequest, TuneResult, candidates_from_plan, tune
+from lightspeed.core.zero.tuner.decision import (
+    TrialParts,
+    TuneRequest,
+    TuneResult,
+    candidates_from_plan,
+    micro_batch_choices,
+    tune,
+)
 from lightspeed.core.zero.tuner.trials import (
     BUCKET_VARIANTS,
     Candidate,
@@ -28,6 +36,9 @@ __all__ = [
     "candidates_from_plan",
     "copy_module_and_optimizer",
     "deepspeed_engine_builder",
+    "first_batches",
     "format_trials",
+    "micro_batch_choices",
+    "rebatched",
     "tune",
 ]

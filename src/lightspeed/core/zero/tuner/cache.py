@@ -56,6 +56,7 @@ class TuningKey:
         device: torch.device,
         candidates: Sequence[str],
         micro_batch: int | None,
+        accumulation: int = 1,
     ) -> TuningKey:
         shapes = [
             (name, list(getattr(p, "ds_shape", p.shape)), str(p.dtype), bool(p.requires_grad))
@@ -69,6 +70,7 @@ class TuningKey:
             "world_size": world_size,
             "precision": precision,
             "micro_batch": micro_batch,
+            "accumulation": accumulation,
             "hardware": _hardware(device),
             "candidates": list(candidates),
         }

@@ -18,6 +18,7 @@ import torch
 from lightspeed.core.common.distributed import global_rank, is_distributed
 from lightspeed.core.errors import MemoryPlanError
 from lightspeed.core.zero.auto_choice import ZeroAutoRequest
+from lightspeed.core.zero.config import AUTO
 from lightspeed.core.zero.planner import Plan
 from lightspeed.core.zero.tuner.cache import CachedDecision, TuningCache, TuningKey
 from lightspeed.core.zero.tuner.trials import (
@@ -30,7 +31,7 @@ from lightspeed.core.zero.tuner.trials import (
     run_trials,
 )
 
-__all__ = ["TrialParts", "TuneRequest", "TuneResult", "candidates_from_plan", "tune"]
+__all__ = ["TrialParts", "TuneRequest", "TuneResult", "candidates_from_plan", "micro_batch_choices", "tune"]
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,41 @@ class TuneResult:
     from_cache: bool
 
 
-def candidates_from_plan(plan: Plan, allowed: Sequence[str] | None = None, buckets: bool = False) -> list[Candidate]:
+def micro_batch_choices(allowed: Sequence[int], micro_batch: int | None, accumulation: int) -> list[tuple[int, int]]:
+    """``(micro-batch, accumulation)`` pairs that keep the run's samples per optimizer step on each rank
+    (``micro_batch x accumulation``): the run's own first, then each ``allowed`` size that divides it; raises a
+    ``ValueError`` naming the sizes that do when an allowed size does not, or the run's micro-batch is unknown."""
+    if micro_batch is None:
+        raise ValueError(
+            "tune_micro_batches needs the run's micro-batch size, but the training DataLoader has no batch_size (a "
+            "custom batch sampler, or an iterable that batches itself). Give the DataLoader a batch_size, or leave "
+            "tune_micro_batches unset."
+        )
+    per_step = micro_batch * accumulation
+    wrong = [size for size in allowed if per_step % size]
+    if wrong:
+        fitting = [size for size in range(1, per_step + 1) if per_step % size == 0]
+        raise ValueError(
+            f"tune_micro_batches={list(allowed)} holds {', '.join(map(str, wrong))}, which do not divide the "
+            f"{per_step} samples each rank trains per optimizer step (micro-batch {micro_batch} x accumulation "
+            f"{accumulation}); the tuner keeps that batch, so it can only try sizes that divide it: "
+            f"{', '.join(map(str, fitting))}."
+        )
+    sizes = [micro_batch, *(size for size in dict.fromkeys(allowed) if size != micro_batch)]
+    return [(size, per_step // size) for size in sizes]
+
+
+def candidates_from_plan(
+    plan: Plan,
+    allowed: Sequence[str] | None = None,
+    buckets: bool = False,
+    batchings: Sequence[tuple[int, int]] | None = None,
+) -> list[Candidate]:
     """The options the plan says fit (restricted to the ``allowed`` names), fastest estimate first, each with
-    lightspeed's bucket sizes and, with ``buckets``, also DeepSpeed's; raises :class:`MemoryPlanError` when an
-    allowed name is unknown or none of them fits."""
+    lightspeed's bucket sizes and, with ``buckets``, also DeepSpeed's, and each with every ``(micro-batch,
+    accumulation)`` of ``batchings`` (the run's own first; None: the run's only); raises :class:`MemoryPlanError`
+    when an allowed name is unknown or none of them fits. The first candidate is the planner's choice as the run
+    would train it."""
     names = [verdict.estimate.option.name for verdict in plan.verdicts]
     if allowed is not None:
         unknown = sorted(set(allowed) - set(names))
@@ -65,7 +97,15 @@ def candidates_from_plan(plan: Plan, allowed: Sequence[str] | None = None, bucke
             "above says which do. Allow one of them, or leave tune_options unset."
         )
     variants = list(BUCKET_VARIANTS) if buckets else ["auto"]
-    return [Candidate(option, variant) for option in fitting for variant in variants]
+    sizes: list[tuple[int | None, int | None]] = [(None, None)]
+    if batchings:
+        sizes += [(size, accumulation) for size, accumulation in batchings[1:]]  # the first is the run's own
+    return [
+        Candidate(option, variant, size, accumulation)
+        for option in fitting
+        for size, accumulation in sizes
+        for variant in variants
+    ]
 
 
 #: how much faster (measured) another candidate must be to replace the planner's choice (the first candidate): a few
@@ -140,6 +180,10 @@ def tune(
     return TuneResult(best.candidate, trials, False)
 
 
+#: the DeepSpeed config keys a micro-batch candidate sets
+_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
 @dataclass(frozen=True)
 class TuneRequest:
     """``zero_auto``'s tuning arguments, checked once: the same for the Trainer's and Fabric's strategy."""
@@ -150,6 +194,7 @@ class TuneRequest:
     buckets: bool = False
     cache_path: str | None = None
     retune: bool = False
+    micro_batches: tuple[int, ...] | None = None
 
     @classmethod
     def checked(
@@ -160,11 +205,23 @@ class TuneRequest:
         buckets: bool,
         cache: str | os.PathLike[str] | None,
         retune: bool,
+        micro_batches: Sequence[int] | None = None,
     ) -> TuneRequest:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"tune_steps is the number of measured steps per candidate, at least 1; got {steps!r}.")
         if isinstance(options, str):
             raise TypeError(f"tune_options is a list of option names, e.g. [{options!r}]; got the string {options!r}.")
+        if micro_batches is not None and (
+            isinstance(micro_batches, (str, int))
+            or not micro_batches
+            or any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in micro_batches)
+        ):
+            raise ValueError(
+                "tune_micro_batches is a list of the micro-batch sizes the tuner may try, positive integers such as "
+                f"[2, 4, 8]; got {micro_batches!r}."
+            )
+        if micro_batches is not None and not tune:
+            raise ValueError("tune_micro_batches is what tune=True may try; set tune=True as well, or leave it unset.")
         return cls(
             bool(tune),
             steps,
@@ -172,7 +229,20 @@ class TuneRequest:
             bool(buckets),
             str(cache) if cache is not None else None,
             bool(retune),
+            tuple(micro_batches) if micro_batches is not None else None,
         )
+
+    def check_config(self, user_config: dict[str, Any]) -> None:
+        """With ``tune_micro_batches``, the DeepSpeed config must leave the batch sizes to the tuner."""
+        if self.micro_batches is None:
+            return
+        fixed = {key: user_config[key] for key in _BATCH_KEYS if user_config.get(key, AUTO) != AUTO}
+        if fixed:
+            shown = ", ".join(f"{key}={value!r}" for key, value in fixed.items())
+            raise ValueError(
+                f"tune_micro_batches lets the tuner choose the micro-batch size and accumulation, but the DeepSpeed "
+                f'config fixes {shown}; set them to "auto" (or remove them), or leave tune_micro_batches unset.'
+            )
 
     def run(
         self, candidates: Sequence[Candidate], setup: TrialSetup, key: TuningKey, *, info: Callable[[str], None]
@@ -192,14 +262,22 @@ class TuneRequest:
     ) -> Candidate:
         """The fastest candidate ``plan`` allows for ``module`` under zero_auto's ``zero_auto`` request, cached or
         measured with the front end's ``trial`` parts (a collective)."""
-        candidates = candidates_from_plan(plan, self.options, self.buckets)
+        batchings = (
+            micro_batch_choices(self.micro_batches, trial.micro_batch, trial.accumulation)
+            if self.micro_batches is not None
+            else None
+        )
+        candidates = candidates_from_plan(plan, self.options, self.buckets, batchings)
         setup = TrialSetup(
             copy_model=trial.copy_model,
-            config_for=lambda candidate: trial.resolve(candidate.config(zero_auto)),
+            config_for=lambda candidate: candidate.with_batching(
+                trial.resolve(candidate.config(zero_auto)), trial.world_size
+            ),
             build_engine=deepspeed_engine_builder(trial.device.index, trial.local_rank),
             loss=trial.loss,
             take_batches=trial.take_batches,
             device=trial.device,
+            accumulation=trial.accumulation,
         )
         key = TuningKey.of(
             module,
@@ -208,6 +286,7 @@ class TuneRequest:
             device=trial.device,
             candidates=[candidate.name for candidate in candidates],
             micro_batch=trial.micro_batch,
+            accumulation=trial.accumulation,
         )
         return self.run(candidates, setup, key, info=info).chosen
 
@@ -215,14 +294,16 @@ class TuneRequest:
 @dataclass(frozen=True)
 class TrialParts:
     """What a front end provides for :meth:`TuneRequest.choose`: a copy of the model and optimizer, the resolution of
-    ``"auto"`` values, one micro-batch's loss, the run's first batches, and where the run trains."""
+    ``"auto"`` values, one micro-batch's loss, the run's first batches (of a given micro-batch size, see
+    :class:`TrialSetup`), the run's micro-batch size and accumulation, and where the run trains."""
 
     copy_model: Callable[[], tuple[torch.nn.Module, Any]]
     resolve: Callable[[dict[str, Any]], dict[str, Any]]
     loss: Callable[[torch.nn.Module, Any, int], torch.Tensor]
-    take_batches: Callable[[int], list[Any]]
+    take_batches: Callable[[int, int | None], list[Any]]
     micro_batch: int | None
     device: torch.device
     local_rank: int
     world_size: int
     precision: str
+    accumulation: int = 1

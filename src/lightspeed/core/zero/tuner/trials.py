@@ -1,10 +1,12 @@
 """Measure the ZeRO options that fit: a few real training steps of each, in the processes of the run.
 
-Each candidate (a ZeRO option and a bucket-size variant) trains a fresh copy of the model and its optimizer for
-``warmup + steps`` steps on the run's own first batches, through a DeepSpeed engine built with the candidate's
-resolved config; the measured steps give samples/s (the slowest rank's time, so every rank agrees) and the peak
-memory. The run itself is untouched: the copies are dropped, and the random number generators are restored
-afterwards, so the tuned run trains exactly as an untuned run with the chosen config would.
+Each candidate (a ZeRO option, a bucket-size variant and a micro-batch size) trains a fresh copy of the model and its
+optimizer for ``warmup + steps`` optimizer steps on the run's own first samples, through a DeepSpeed engine built with
+the candidate's resolved config; an optimizer step is the run's global batch (``micro-batch x accumulation``, so a
+smaller micro-batch accumulates more of them and every candidate trains the same samples per step). The measured
+steps give samples/s (the slowest rank's time, so every rank agrees) and the peak memory. The run itself is
+untouched: the copies are dropped, and the random number generators are restored afterwards, so the tuned run trains
+exactly as an untuned run with the chosen config would.
 """
 
 from __future__ import annotations
@@ -45,14 +47,29 @@ BUCKET_VARIANTS: dict[str, dict[str, Any]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One configuration to measure: a ZeRO option and a bucket-size variant."""
+    """One configuration to measure: a ZeRO option, a bucket-size variant, and a micro-batch size with the
+    accumulation that keeps the run's batch per optimizer step (``None``: the run's own)."""
 
     option: ZeroOption
     buckets: str = "auto"
+    micro_batch: int | None = None
+    accumulation: int | None = None
 
     @property
     def name(self) -> str:
-        return self.option.name if self.buckets == "auto" else f"{self.option.name}+{self.buckets}_buckets"
+        name = self.option.name if self.buckets == "auto" else f"{self.option.name}+{self.buckets}_buckets"
+        return name if self.micro_batch is None else f"{name}+micro_batch_{self.micro_batch}"
+
+    def with_batching(self, resolved: dict[str, Any], world_size: int) -> dict[str, Any]:
+        """A resolved config with this candidate's micro-batch size and accumulation (the same global batch)."""
+        if self.micro_batch is None or self.accumulation is None:
+            return resolved
+        return {
+            **resolved,
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": self.accumulation,
+            "train_batch_size": self.micro_batch * self.accumulation * world_size,
+        }
 
     def tuning(self, base: ZeroTuning) -> ZeroTuning:
         """``base`` with this candidate's bucket sizes."""
@@ -80,16 +97,18 @@ class TrialSetup:
 
     ``copy_model``: a fresh copy of the model and its optimizer; ``config_for``: the resolved DeepSpeed config of a
     candidate; ``build_engine``: ``(config, model, optimizer) -> engine``; ``loss``: ``(model, batch, index) ->
-    loss`` for one micro-batch; ``take_batches(n)``: the run's first ``n`` micro-batches on this rank (taken while the
-    random number generators are preserved, so a shuffling loader is not advanced); ``device``: the training device
-    (its peak memory is measured)."""
+    loss`` for one micro-batch; ``take_batches(n, micro_batch)``: the run's first ``n`` micro-batches on this rank,
+    of ``micro_batch`` samples each (``None``: as the run's loader batches them; taken while the random number
+    generators are preserved, so a shuffling loader is not advanced); ``device``: the training device (its peak memory
+    is measured); ``accumulation``: the run's micro-batches per optimizer step."""
 
     copy_model: Callable[[], tuple[torch.nn.Module, Any]]
     config_for: Callable[[Candidate], dict[str, Any]]
     build_engine: Callable[[dict[str, Any], torch.nn.Module, Any], Any]
     loss: Callable[[torch.nn.Module, Any, int], torch.Tensor]
-    take_batches: Callable[[int], list[Any]]
+    take_batches: Callable[[int, int | None], list[Any]]
     device: torch.device
+    accumulation: int = 1
 
 
 def deepspeed_engine_builder(
@@ -186,18 +205,19 @@ def _measure(candidate: Candidate, setup: TrialSetup, batches: list[Any], steps:
     error: str | None = None
     seconds = 0.0
     peak: int | None = None
+    per_step = candidate.accumulation or setup.accumulation  # micro-batches per optimizer step
     try:
         model, optimizer = setup.copy_model()
         engine = setup.build_engine(setup.config_for(candidate), _LossOf(model, setup.loss), optimizer)
         _reset_peak(setup.device)
-        for index in range(warmup + steps):
-            if index == warmup:
+        for index in range(per_step * (warmup + steps)):
+            if index == per_step * warmup:
                 if setup.device.type == "cuda":
                     torch.cuda.synchronize(setup.device)
                 start = time.perf_counter()
             batch = batches[index % len(batches)]
             engine.backward(engine(batch, index))  # through the engine's forward, as a real run goes
-            engine.step()
+            engine.step()  # DeepSpeed steps the optimizer at each accumulation boundary
         if setup.device.type == "cuda":
             torch.cuda.synchronize(setup.device)
         seconds = time.perf_counter() - start
@@ -213,13 +233,14 @@ def _measure(candidate: Candidate, setup: TrialSetup, batches: list[Any], steps:
     slowest, error = _agreed(seconds, error)
     if error is not None:
         return Trial(candidate, None, None, error)
-    samples = sum(count_samples(batches[index % len(batches)]) or 1 for index in range(warmup, warmup + steps))
+    measured = range(per_step * warmup, per_step * (warmup + steps))
+    samples = sum(count_samples(batches[index % len(batches)]) or 1 for index in measured)
     return Trial(candidate, samples / slowest if slowest > 0 else float("inf"), peak)
 
 
 def run_trials(candidates: Sequence[Candidate], setup: TrialSetup, *, steps: int = 3, warmup: int = 1) -> list[Trial]:
-    """Measure every candidate (a collective: every rank runs the same candidates in the same order); the random
-    number generators are as before afterwards.
+    """Measure every candidate for ``warmup + steps`` optimizer steps (a collective: every rank runs the same
+    candidates in the same order); the random number generators are as before afterwards.
 
     The candidates are measured twice, in order and then in reverse order, and each keeps its better pass: the first
     engines of a process pay one-time costs (allocator growth, first use of DeepSpeed's ops) that made the first
@@ -227,13 +248,21 @@ def run_trials(candidates: Sequence[Candidate], setup: TrialSetup, *, steps: int
     if steps < 1 or warmup < 0:
         raise ValueError(f"tune_steps must be >= 1 and the warm-up >= 0, got steps={steps}, warmup={warmup}.")
     with preserved_random_state():
-        batches = setup.take_batches(warmup + steps)
-        if not batches:
-            raise ValueError("The tuner needs at least one training batch, but the training data yielded none.")
-        first = [_measure(candidate, setup, batches, steps, warmup) for candidate in candidates]
+        taken: dict[int | None, list[Any]] = {}  # the same samples for every candidate of one micro-batch size
+        for candidate in candidates:
+            if candidate.micro_batch not in taken:
+                per_step = candidate.accumulation or setup.accumulation
+                taken[candidate.micro_batch] = setup.take_batches(per_step * (warmup + steps), candidate.micro_batch)
+                if not taken[candidate.micro_batch]:
+                    raise ValueError("The tuner needs at least one training batch, but the training data yielded none.")
+
+        def measure(candidate: Candidate) -> Trial:
+            return _measure(candidate, setup, taken[candidate.micro_batch], steps, warmup)
+
+        first = [measure(candidate) for candidate in candidates]
         if len(candidates) < 2:
             return first
-        second = [_measure(candidate, setup, batches, steps, warmup) for candidate in reversed(candidates)][::-1]
+        second = [measure(candidate) for candidate in reversed(candidates)][::-1]
         return [_better(a, b) for a, b in zip(first, second, strict=True)]
 
 
