@@ -21,6 +21,7 @@ BUILT_IN = {
     "UnsupportedOffloadOptimizerError": TypeError,
     "IncompleteCheckpointError": RuntimeError,
     "CollectiveTimeoutError": RuntimeError,
+    "RankLostError": RuntimeError,
     "UnevenEvaluationError": RuntimeError,
     "CudaInitializedError": RuntimeError,
     "GatherError": RuntimeError,
@@ -39,6 +40,7 @@ def test_every_exception_class_of_the_package_is_public_under_one_base() -> None
     for name, built_in in BUILT_IN.items():
         cls = getattr(errors, name)
         assert issubclass(cls, errors.LightspeedError) and issubclass(cls, built_in), name
+    assert issubclass(errors.RankLostError, errors.CollectiveTimeoutError)  # one `except` for both ways a job stalls
     assert lightspeed.errors is errors
 
 

@@ -12,11 +12,12 @@ _EPILOG = """\
 examples:
   lightspeed tune my_pkg.train:job --devices 2 --accelerator cpu
   lightspeed tune my_pkg.train:job --devices 8 --precision bf16-mixed --options zero2,zero3 --buckets --retune
+  lightspeed tune my_pkg.train:job --devices 8 --accumulate 4 --micro-batches 4,16
 
 The factory is called with no arguments in every process and returns (LightningModule, data): data is a training
 DataLoader or a LightningDataModule. The trials run a few steps of each option that fits on copies of the model; the
 decision goes into the cache that ZeroAutoStrategy(tune=True) reads (same model shapes, world size, precision,
-micro-batch size, hardware and options).
+micro-batch size, accumulation, hardware and options; with --micro-batches pass the run's tune_micro_batches too).
 """
 
 
