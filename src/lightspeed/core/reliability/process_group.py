@@ -12,7 +12,8 @@ A process group left alive until interpreter exit is destroyed while Python tear
 NCCL's) native threads are then sometimes still running, and the process ends with ``terminate called without an
 active exception`` (exit code -6) after a successful run; the same happens when the heartbeat thread is inside a
 store write at that moment. lightspeed therefore stops and joins the heartbeat and destroys the group it created in
-an ``atexit`` hook, which runs while the interpreter is still whole; not at the end of a run, since the training engine
+an ``atexit`` hook, which runs while the interpreter is still whole (and frees the groups that only garbage still
+references, see :func:`_free_unreachable_groups`); not at the end of a run, since the training engine
 kept for evaluation, ZeRO-3 partitioned modules and the user's own ``torch.distributed`` calls after ``fit`` (even a
 failed one) still use it. A group the user created is never touched.
 """
@@ -20,6 +21,7 @@ failed one) still use it. A group the user created is never touched.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -78,6 +80,7 @@ def destroy_owned_group() -> None:
         _heartbeat = None
     _monitor.clear()
     if not group_is_initialized():
+        _free_unreachable_groups()
         return
     try:
         import deepspeed.comm as ds_comm
@@ -90,7 +93,22 @@ def destroy_owned_group() -> None:
     if group_is_initialized():
         dist.destroy_process_group()
     ds_comm_state.cdb = None
+    _free_unreachable_groups()
     log.debug("lightspeed destroyed the default process group it created")
+
+
+def _free_unreachable_groups() -> None:
+    """Collect the garbage that still holds process groups (a finished Trainer's engine and optimizer reference
+    cycles) now, while the interpreter is whole.
+
+    ``destroy_process_group`` only forgets the groups; a gloo group's C++ object, and its worker threads, live until
+    its last Python reference goes. Left to the collection inside interpreter finalization, a worker still releasing
+    its last collective's tensors needs the GIL then, and CPython ends such a thread by unwinding through C++ frames
+    that may not throw: ``terminate called without an active exception`` (exit code -6) after a successful run (seen
+    in a core dump: ``AsyncAllgatherWork``'s destructor on a ``pt_gloo_runloop`` thread, the main thread in
+    ``Py_FinalizeEx``'s collection; pytorch/pytorch#190489). Groups still referenced by live objects are out of reach.
+    """
+    gc.collect()
 
 
 # ---------------------------------------------------------------------------------------- creating the process group
