@@ -12,10 +12,11 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-#: what a rank prints when native code calls ``std::terminate``; seen about once in ten suite runs inside gloo's C++
-#: threads on these oversubscribed 2-core machines, never with a wrong result and never reproduced in isolation (60
-#: runs of the job that aborted once in CI, two at a time, all clean); the ranks print their Python stacks with it
-#: (``PYTHONFAULTHANDLER``) so that the next one says where it happened
+#: what a rank prints when native code calls ``std::terminate``: on these loaded 2-core machines about once in a suite
+#: run, at interpreter exit after the rank's work is done (a core dump: a gloo worker thread releasing its last
+#: collective's tensors needs the GIL during ``Py_FinalizeEx``, pytorch/pytorch#190489; lightspeed's exit hook frees
+#: the groups that only garbage holds, which narrows it); never a wrong result. The ranks print their Python stacks
+#: with it (``PYTHONFAULTHANDLER``)
 NATIVE_ABORT = "terminate called without an active exception"
 
 
