@@ -154,7 +154,7 @@ def test_micro_batch_tuning_input_is_checked(tmp_path: Path) -> None:
         'fixes train_micro_batch_size_per_gpu=4; set them to "auto" (or remove them), or leave tune_micro_batches '
         "unset."
     )
-    assert micro_batch_choices([8, 2, 2, 4], 4, 2) == [(4, 2), (8, 1), (2, 4)]
+    assert micro_batch_choices([8, 2, 2, 4], 4, 2) == [(8, 1), (2, 4)]  # the run's own size (4 x 2) aside
     with pytest.raises(ValueError) as caught:
         micro_batch_choices([3, 16], 4, 2)
     assert str(caught.value) == (

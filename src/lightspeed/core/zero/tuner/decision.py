@@ -44,9 +44,10 @@ class TuneResult:
 
 
 def micro_batch_choices(allowed: Sequence[int], micro_batch: int | None, accumulation: int) -> list[tuple[int, int]]:
-    """``(micro-batch, accumulation)`` pairs that keep the run's samples per optimizer step on each rank
-    (``micro_batch x accumulation``): the run's own first, then each ``allowed`` size that divides it; raises a
-    ``ValueError`` naming the sizes that do when an allowed size does not, or the run's micro-batch is unknown."""
+    """``(micro-batch, accumulation)`` pairs, besides the run's own size, that keep the run's samples per optimizer
+    step on each rank (``micro_batch x accumulation``): each ``allowed`` size once, in order; raises a
+    ``ValueError`` naming the sizes that do when an allowed size does not divide it, or the run's micro-batch is
+    unknown."""
     if micro_batch is None:
         raise ValueError(
             "tune_micro_batches needs the run's micro-batch size, but the training DataLoader has no batch_size (a "
@@ -63,8 +64,7 @@ def micro_batch_choices(allowed: Sequence[int], micro_batch: int | None, accumul
             f"{accumulation}); the tuner keeps that batch, so it can only try sizes that divide it: "
             f"{', '.join(map(str, fitting))}."
         )
-    sizes = [micro_batch, *(size for size in dict.fromkeys(allowed) if size != micro_batch)]
-    return [(size, per_step // size) for size in sizes]
+    return [(size, per_step // size) for size in dict.fromkeys(allowed) if size != micro_batch]
 
 
 def candidates_from_plan(
@@ -74,10 +74,10 @@ def candidates_from_plan(
     batchings: Sequence[tuple[int, int]] | None = None,
 ) -> list[Candidate]:
     """The options the plan says fit (restricted to the ``allowed`` names), fastest estimate first, each with
-    lightspeed's bucket sizes and, with ``buckets``, also DeepSpeed's, and each with every ``(micro-batch,
-    accumulation)`` of ``batchings`` (the run's own first; None: the run's only); raises :class:`MemoryPlanError`
-    when an allowed name is unknown or none of them fits. The first candidate is the planner's choice as the run
-    would train it."""
+    lightspeed's bucket sizes and, with ``buckets``, also DeepSpeed's, each at the run's own micro-batch size and at
+    every ``(micro-batch, accumulation)`` of ``batchings`` (:func:`micro_batch_choices`); raises
+    :class:`MemoryPlanError` when an allowed name is unknown or none of them fits. The first candidate is the
+    planner's choice as the run would train it."""
     names = [verdict.estimate.option.name for verdict in plan.verdicts]
     if allowed is not None:
         unknown = sorted(set(allowed) - set(names))
@@ -97,9 +97,7 @@ def candidates_from_plan(
             "above says which do. Allow one of them, or leave tune_options unset."
         )
     variants = list(BUCKET_VARIANTS) if buckets else ["auto"]
-    sizes: list[tuple[int | None, int | None]] = [(None, None)]
-    if batchings:
-        sizes += [(size, accumulation) for size, accumulation in batchings[1:]]  # the first is the run's own
+    sizes: list[tuple[int | None, int | None]] = [(None, None), *(batchings or [])]  # None: the run's own
     return [
         Candidate(option, variant, size, accumulation)
         for option in fitting

@@ -200,12 +200,17 @@ class _LossOf(torch.nn.Module):
         return self._loss(self.model, batch, index)
 
 
+def _micro_batches_per_step(candidate: Candidate, setup: TrialSetup) -> int:
+    """Micro-batches per optimizer step: the candidate's accumulation, or the run's for its own micro-batch size."""
+    return candidate.accumulation or setup.accumulation
+
+
 def _measure(candidate: Candidate, setup: TrialSetup, batches: list[Any], steps: int, warmup: int) -> Trial:
     engine: Any = None
     error: str | None = None
     seconds = 0.0
     peak: int | None = None
-    per_step = candidate.accumulation or setup.accumulation  # micro-batches per optimizer step
+    per_step = _micro_batches_per_step(candidate, setup)
     try:
         model, optimizer = setup.copy_model()
         engine = setup.build_engine(setup.config_for(candidate), _LossOf(model, setup.loss), optimizer)
@@ -251,8 +256,8 @@ def run_trials(candidates: Sequence[Candidate], setup: TrialSetup, *, steps: int
         taken: dict[int | None, list[Any]] = {}  # the same samples for every candidate of one micro-batch size
         for candidate in candidates:
             if candidate.micro_batch not in taken:
-                per_step = candidate.accumulation or setup.accumulation
-                taken[candidate.micro_batch] = setup.take_batches(per_step * (warmup + steps), candidate.micro_batch)
+                count = _micro_batches_per_step(candidate, setup) * (warmup + steps)
+                taken[candidate.micro_batch] = setup.take_batches(count, candidate.micro_batch)
                 if not taken[candidate.micro_batch]:
                     raise ValueError("The tuner needs at least one training batch, but the training data yielded none.")
 
