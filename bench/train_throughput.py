@@ -144,7 +144,10 @@ class Player(threading.Thread):
         self._wall, self._cpu = time.perf_counter(), time.thread_time()
 
     def pause(self) -> None:
-        """End of a training step: record its time, hand over, wait for the next turn."""
+        """End of a training step: record its time, hand over, wait for the next turn. On a GPU the step ends when
+        its kernels have run: CUDA returns before that, and the next variant's step would be charged for them."""
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         cpu, wall = time.thread_time() - self._cpu, time.perf_counter() - self._wall
         if self.profiler is not None:
             self.profiler.disable()
@@ -351,7 +354,9 @@ def differences(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 def mean_over_ranks(value: float) -> float:
-    total = torch.tensor([value], dtype=torch.float64)
+    # nccl reduces only CUDA tensors, gloo CPU ones
+    on_gpu = torch.distributed.get_backend() == "nccl"
+    total = torch.tensor([value], dtype=torch.float64, device="cuda" if on_gpu else "cpu")
     torch.distributed.all_reduce(total)
     return total.item() / torch.distributed.get_world_size()
 
@@ -486,7 +491,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--names", default=",".join(PRESETS), help="ZeRO presets, comma-separated")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from " + ",".join(VARIANTS))
-    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=min(2, torch.cuda.device_count()) or 2, help="ranks (GPUs)")
     parser.add_argument("--accelerator", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)

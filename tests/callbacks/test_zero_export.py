@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from _support.launch import run_torchrun
+from _support.launch import run_python, run_torchrun
 from lightspeed.export import ExportError, export_checkpoint, load_exported
 
 HERE = Path(__file__).resolve().parent
@@ -24,7 +24,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE / "scripts"))
 sys.path.insert(0, str(REPO / "tests" / "core" / "checkpoint" / "scripts"))
 sys.path.insert(0, str(REPO / "examples"))
-from zero_export_fit import CASES, HF_CASES, HF_GPT2, LitLM  # noqa: E402
+from zero_export_fit import CASES, CUDA_CASES, HF_CASES, HF_GPT2, LitLM  # noqa: E402
 
 CASE_NAMES = list(CASES)
 HF_CASE = "zero3_offload_hf_gpt2"
@@ -188,3 +188,38 @@ def test_offline_export_of_the_hf_checkpoint_with_hf_config(runs, tmp_path):
     assert main([*argv, "--hf-config", str(tmp_path / "saved"), "--quiet"]) == 0
     assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == ["config.json", "model.safetensors"]
     assert (_hf_logits(tmp_path / "cli", reference["tokens"]) - reference["logits"]).abs().max().item() <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def cuda_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("zero_export_cuda")
+    run_torchrun(HERE / "scripts" / "zero_export_fit.py", 1, [out, *CUDA_CASES], timeout=600)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CUDA_CASES))
+def test_export_of_a_cuda_trained_checkpoint_loads_on_the_cpu(cuda_runs, tmp_path, case):
+    """Trained on a GPU (bf16 ZeRO-3; fp16 ZeRO-2 with CPU offload), exported live by ZeroExport; the checkpoint then
+    exported offline and loaded by a process that sees no GPU: both exports equal the fp32 masters, bit for bit."""
+    root = cuda_runs / case
+    reference = torch.load(root / "reference.pt", weights_only=False)
+    live, tied, _ = read(root / "export")
+    for name, tensor in live.items():
+        expected = reference["buffers"][name] if name in reference["buffers"] else reference["fp32"][name]
+        assert tensor.device.type == "cpu" and torch.equal(tensor, expected.to(tensor.dtype)), name
+
+    offline_dir, result = tmp_path / "offline", tmp_path / "loaded.pt"
+    dtype = CUDA_CASES[case][1]["dtype"]
+    run_python(
+        HERE / "scripts" / "export_on_cpu.py",
+        [root / "ckpts" / "last.ckpt", offline_dir, dtype, result],
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
+    loaded = torch.load(result, weights_only=False)
+    assert loaded["cuda_available"] is False and loaded["load"] == ([], [])
+    offline, offline_tied, _ = read(offline_dir)
+    assert offline_tied == tied and offline.keys() == live.keys()
+    assert all(torch.equal(offline[k], live[k]) for k in live)
+    for name, value in loaded["state"].items():
+        assert torch.equal(value, live[tied.get(name, name)].to(value.dtype)), name

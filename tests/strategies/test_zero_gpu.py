@@ -1,56 +1,44 @@
-"""The ZeRO strategies on CUDA (nccl). Marked `gpu`: skipped with the reason printed where no GPU is visible."""
+"""The ZeRO strategies under the Trainer on CUDA (nccl): every stage with and without offload, in fp32, bf16-mixed and
+16-mixed (dynamic loss scaling), against one plain process. Marked `gpu`: skipped with the reason printed where no
+GPU is visible (`scripts/gpu_check.sh` runs them on a GPU machine)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-import torch
 
+from _support.cuda_runs import PRECISIONS, PRESETS, RUNS, STEPS, check_saved_run, cuda_devices
 from _support.launch import REPO_ROOT, run_torchrun
-from _support.models import reference_training
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_train.py"
-NAMES = ["zero1", "zero2", "zero3", "zero3_offload"]
+BATCH = 4
 
 pytestmark = pytest.mark.gpu
 
 
-def _devices() -> int:
-    return max(1, min(2, torch.cuda.device_count()))
+@pytest.fixture(scope="module")
+def cuda_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("zero_cuda")
+    devices = cuda_devices()
+    args = [out, ",".join(RUNS), "--steps", STEPS, "--devices", devices, "--batch", BATCH, "--accelerator", "cuda"]
+    run_torchrun(SCRIPT, devices, args, timeout=600)
+    return out
 
 
-def test_zero_on_cuda_matches_single_process_fp32(tmp_path) -> None:
-    devices = _devices()
-    run_torchrun(
-        SCRIPT, devices, [tmp_path, ",".join(NAMES), "--steps", 4, "--devices", devices, "--accelerator", "cuda"]
-    )
-    reference = reference_training(steps=4, world_size=devices, batch=4)
-    for name in NAMES:
-        weights = torch.load(tmp_path / f"{name}.pt")
-        for key, expected in reference.items():
-            # TF32 matmuls are off by default for fp32 in torch; cuBLAS reductions may still differ in order
-            assert (weights[key] - expected).abs().max().item() <= 1e-4, (name, key)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", PRESETS)
+def test_zero_on_cuda_matches_single_process(cuda_runs: Path, name: str, precision: str) -> None:
+    meta = check_saved_run(cuda_runs, f"{name}@{precision}", precision, BATCH)
+    assert meta["batches"] == STEPS
 
 
-@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
-def test_half_precision_trains_on_cuda(tmp_path, precision) -> None:
-    devices = _devices()
-    run_torchrun(
-        SCRIPT,
-        devices,
-        [tmp_path, "zero2", "--steps", 4, "--devices", devices, "--accelerator", "cuda", "--precision", precision],
-    )
-    meta = json.loads((tmp_path / "zero2.json").read_text())
-    key = "fp16" if precision == "16-mixed" else "bf16"
-    assert meta["config"][key]["enabled"] is True
-    reference = reference_training(steps=4, world_size=devices, batch=4)
-    weights = torch.load(tmp_path / "zero2.pt")
-    assert (weights["net.0.weight"] - reference["net.0.weight"]).abs().max().item() <= 5e-2
-
-
-def test_cpu_accelerator_never_initialises_cuda_on_a_gpu_machine(tmp_path) -> None:
-    # a GPU is visible, DeepSpeed would pick it by itself; accelerator="cpu" must keep every rank off CUDA
+def test_cpu_accelerator_puts_nothing_on_the_gpu(tmp_path: Path) -> None:
+    # a GPU is visible and DeepSpeed would pick it by itself: accelerator="cpu" must run DeepSpeed on its CPU
+    # accelerator and allocate nothing on the GPU. (A CUDA context does appear: Lightning's Trainer.fit collects the
+    # CUDA RNG states around its sanity check wherever a GPU is visible, whatever the accelerator; seen on an H200.)
     run_torchrun(SCRIPT, 2, [tmp_path, "zero3_offload", "--steps", 2, "--accelerator", "cpu"])
     meta = json.loads((tmp_path / "zero3_offload.json").read_text())
-    assert meta["cuda_initialized"] is False
+    assert meta["deepspeed_accelerator"] == "cpu" and meta["device"] == "cpu"
+    assert meta["cuda_bytes"] == 0

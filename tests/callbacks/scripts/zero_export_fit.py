@@ -1,7 +1,8 @@
-"""Worker (torchrun, 2 ranks, CPU): fit with a lightspeed ZeRO strategy and the ZeroExport callback, save a
-checkpoint with ModelCheckpoint, and record the live fp32 master weights gathered after fit as the reference.
+"""Worker (torchrun, 2 CPU ranks; 1 rank on a GPU for CUDA_CASES): fit with a lightspeed ZeRO strategy and the
+ZeroExport callback, save a checkpoint with ModelCheckpoint, and record the live fp32 master weights gathered after
+fit as the reference.
 
-Usage: torchrun --nproc_per_node=2 zero_export_fit.py OUT_DIR CASE [CASE ...]   (cases: see CASES and HF_CASES)
+Usage: torchrun --nproc_per_node=2 zero_export_fit.py OUT_DIR CASE [CASE ...]   (cases: CASES, HF_CASES, CUDA_CASES)
 Rank 0 writes OUT_DIR/<case>/reference.pt; the export is in OUT_DIR/<case>/export, the checkpoint in
 OUT_DIR/<case>/ckpts/last.ckpt.
 """
@@ -31,6 +32,11 @@ CASES = {
     "zero2_bf16_sharded": ("zero2", "tiny", {"dtype": "bf16", "max_shard_size": "4KB", "on_checkpoint": True}),
     "zero3_nvme": ("zero3_nvme", "tiny_big", {"dtype": "fp32", "max_shard_size": "1MB"}),
     "zero3_tiny_gpt": ("zero3_offload", "tiny_gpt", {"dtype": "fp32"}),
+}
+#: case -> (strategy name, ZeroExport keyword arguments, precision): TinyLM trained on one GPU (the `gpu` tests)
+CUDA_CASES = {
+    "cuda_zero3_bf16": ("zero3", {"dtype": "fp32"}, "bf16-mixed"),
+    "cuda_zero2_offload_fp16": ("zero2_offload", {"dtype": "fp32", "max_shard_size": "4KB"}, "16-mixed"),
 }
 TINY_GPT_VOCAB, TINY_GPT_CONTEXT = 29, 12
 # case -> strategy name: a Hugging Face GPT-2 as `self.model`, exported with strip_prefix="model." (config.json too)
@@ -96,15 +102,20 @@ def live_reference(engine) -> dict:
 
 
 def run(case: str, out: Path) -> None:
-    strategy, kind, export_kwargs = CASES[case]
+    if case in CUDA_CASES:
+        strategy, export_kwargs, precision = CUDA_CASES[case]
+        kind, place = "tiny", {"accelerator": "cuda", "devices": 1}
+    else:
+        strategy, kind, export_kwargs = CASES[case]
+        precision, place = "32-true", {"accelerator": "cpu", "devices": 2}
     root = out / case
     L.seed_everything(0, verbose=False)
     model = LitLM(kind)
     export = ZeroExport(root / "export", **export_kwargs)
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
-        devices=2,
+        precision=precision,
+        **place,
         max_steps=3,
         logger=False,
         enable_progress_bar=False,

@@ -1,8 +1,11 @@
 """Worker: hand-written Lightning Fabric loops under lightspeed's strategy names, on the ranks of one launch.
 
-usage: fabric_cases.py OUT_DIR SCENARIO[,SCENARIO...]
+usage: fabric_cases.py OUT_DIR SCENARIO[,SCENARIO...] [--accelerator cpu|cuda] [--devices N] [--train-steps K]
+       (defaults: cpu, 2, 4)
 Scenarios (each writes OUT_DIR/<scenario>.json and, for weights, OUT_DIR/<scenario>.pt from rank 0):
-  train:NAME          4 plain steps (AdamW, batch 4), ZeRO-3 names build the model under fabric.init_module()
+  train:NAME[@PRECISION]  K plain steps (AdamW, batch 4), ZeRO-3 names build the model under fabric.init_module();
+                      the JSON records the steps fp16 loss scaling skipped (from 0) and the parameters' dtypes, and
+                      <scenario>.initial.pt the weights the model was built with
   accum:NAME          lightspeed.fabric.accumulate: the toy (w=0, x=1..8, y=2x, batch 2, steps 4, SGD 0.02), a
                       10-batch epoch (steps 4) with mean losses and with num_items, a clipped window
   resume:NAME         2 steps, fabric.save, 2 more steps; then a fresh Fabric loads and does the same 2 steps
@@ -19,6 +22,7 @@ Scenarios (each writes OUT_DIR/<scenario>.json and, for weights, OUT_DIR/<scenar
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import traceback
@@ -35,11 +39,16 @@ import lightspeed
 from _support.models import full_state_dict, make_net, make_regression_data
 
 TOY_LR, ACCUM_LR, CLIP = 0.02, 0.05, 0.05
+#: where the launch runs (``--accelerator``, ``--devices``) and how many steps the train scenario takes
+PLACE = {"accelerator": "cpu", "devices": 2, "train_steps": 4}
 
 
 def make_fabric(name: str, precision: str = "32-true", strategy: Any = None) -> L.Fabric:
     fabric = L.Fabric(
-        strategy=strategy if strategy is not None else name, accelerator="cpu", devices=2, precision=precision
+        strategy=strategy if strategy is not None else name,
+        precision=precision,
+        accelerator=PLACE["accelerator"],
+        devices=PLACE["devices"],
     )
     fabric.launch()
     return fabric
@@ -60,8 +69,9 @@ def inner_optimizer_name(optimizer: Any) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------- train
-def scenario_train(name: str, out: Path) -> tuple[dict, dict]:
-    fabric = make_fabric(name)
+def scenario_train(spec: str, out: Path) -> tuple[dict, dict]:
+    name, _, precision = spec.partition("@")
+    fabric = make_fabric(name, precision or "32-true")
     sharded = name.startswith("zero3")
     if sharded:
         with fabric.init_module():
@@ -70,18 +80,30 @@ def scenario_train(name: str, out: Path) -> tuple[dict, dict]:
     else:
         model = make_net()
         partitioned = False
+    # built under init_module() on a GPU, the weights come from the CUDA generator: the reference starts from them
+    initial = full_state_dict(model)
+    if fabric.global_rank == 0:
+        torch.save(initial, out / f"train_{spec}.initial.pt")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(make_regression_data(), batch_size=4, shuffle=True))
+    engine, skipped = model._forward_module, []
     for step, (x, y) in enumerate(loader):
-        if step == 4:
+        if step == PLACE["train_steps"]:
             break
         loss = nn.functional.mse_loss(model(x), y)
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+        if getattr(engine, "skipped_steps", 0) > len(skipped):  # fp16 overflow: DeepSpeed skipped this update
+            skipped.append(step)
     meta = {
         "world_size": fabric.world_size,
+        "skipped": skipped,
+        "loss_scale": getattr(optimizer.optimizer, "loss_scale", None),
+        "param_dtypes": sorted({str(p.dtype) for p in engine_module(model).parameters()}),
+        "device": str(next(engine_module(model).parameters()).device),
+        "config": fabric.strategy.config,
         "optimizer": inner_optimizer_name(optimizer),
         "stage": fabric.strategy.config["zero_optimization"]["stage"],
         "sharded_init": partitioned,
@@ -443,9 +465,17 @@ SCENARIOS = {
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("specs")
+    parser.add_argument("--accelerator", default=PLACE["accelerator"])
+    parser.add_argument("--devices", type=int, default=PLACE["devices"])
+    parser.add_argument("--train-steps", type=int, default=PLACE["train_steps"])
+    args = parser.parse_args()
+    PLACE.update(accelerator=args.accelerator, devices=args.devices, train_steps=args.train_steps)
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    for spec in sys.argv[2].split(","):
+    for spec in args.specs.split(","):
         kind, _, name = spec.partition(":")
         label = f"{kind}_{name}"
         try:
@@ -454,7 +484,7 @@ def main() -> None:
             meta, weights = {"crash": traceback.format_exc()}, None
             print(meta["crash"], file=sys.stderr)
         if torch.distributed.get_rank() == 0:
-            (out / f"{label}.json").write_text(json.dumps(meta, indent=1))
+            (out / f"{label}.json").write_text(json.dumps(meta, indent=1, default=str))
             if weights is not None:
                 torch.save(weights, out / f"{label}.pt")
 
