@@ -45,9 +45,7 @@ def test_every_exception_class_of_the_package_is_public_under_one_base() -> None
 
 
 def test_the_classes_users_meet_are_the_public_ones() -> None:
-    from lightspeed.core.gather import GatherError
-    from lightspeed.core.reliability.staging import IncompleteCheckpointError
-    from lightspeed.strategies.launchers import WorldSizeMismatchError
+    from lightspeed.core.errors import GatherError, IncompleteCheckpointError, WorldSizeMismatchError
 
     assert (GatherError, IncompleteCheckpointError, WorldSizeMismatchError) == (
         errors.GatherError,
@@ -80,3 +78,27 @@ def test_the_cli_reports_every_lightspeed_error_as_a_user_error(
     parser._subparsers._group_actions[0].choices["env"].set_defaults(_run=failing_run)  # type: ignore[union-attr]
     assert cli_main.main(["env"]) == 2
     assert capsys.readouterr().err == "lightspeed env: error: what to change\n"
+
+
+#: where the error classes are defined and the public modules that hand them to users; elsewhere in the package
+#: they are imported from core only
+PUBLIC_REEXPORTS = {"core/errors.py", "errors.py", "__init__.py", "export.py", "callbacks/__init__.py"}
+
+
+def test_the_package_imports_its_errors_from_core_errors_only() -> None:
+    import ast
+    from pathlib import Path
+
+    package = Path(lightspeed.__file__).parent
+    names = set(BUILT_IN) | {"LightspeedError"}
+    elsewhere = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module != "lightspeed.core.errors":
+                elsewhere += [f"{relative}:{node.lineno} {a.name}" for a in node.names if a.name in names]
+            if relative in PUBLIC_REEXPORTS or not isinstance(node, ast.Assign):
+                continue
+            if any(isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets):
+                elsewhere += [f"{relative} __all__ {e.value}" for e in node.value.elts if e.value in names]
+    assert elsewhere == []

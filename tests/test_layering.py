@@ -2,9 +2,10 @@
 
 * ``core/`` knows nothing of Lightning and never imports the package root or a Lightning layer;
 * ``core/`` packages import each other only downward (:data:`CORE_LEVELS`);
-* ``plugins/`` never imports strategies, callbacks or the CLI; ``strategies/`` never imports callbacks, the CLI or
-  the Fabric layer; ``fabric/`` never imports callbacks, the CLI or the registry;
-* the module-level imports form no cycle;
+* ``plugins/`` never imports strategies, callbacks or the CLI; ``strategies/`` (the Trainer's front end) and
+  ``fabric/`` are siblings: neither imports the other, callbacks, the CLI or the registry, and each registers its
+  names in its own ``registration`` module, which only ``lightspeed.registry`` and its own package import;
+* the imports form no cycle, function-level and ``TYPE_CHECKING`` imports included;
 * no module outside ``tests/`` is named like a test file.
 """
 
@@ -127,7 +128,10 @@ def test_core_imports_neither_lightning_nor_the_lightning_layers(module: str) ->
             "lightspeed.strategies",
             ("lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry", "lightspeed.fabric"),
         ),
-        ("lightspeed.fabric", ("lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry")),
+        (
+            "lightspeed.fabric",
+            ("lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry", "lightspeed.strategies"),
+        ),
     ],
 )
 def test_lower_layers_do_not_import_higher_ones(layer: str, forbidden: tuple[str, ...]) -> None:
@@ -148,10 +152,22 @@ def _owning_module(name: str) -> str | None:
     return name or None
 
 
-def test_module_level_imports_have_no_cycle() -> None:
+def test_front_ends_register_their_names_in_sibling_modules() -> None:
+    registrations = {"lightspeed.strategies.registration", "lightspeed.fabric.registration"}
+    assert registrations <= set(MODULES)
+    importers = {
+        module
+        for module, path in MODULES.items()
+        for _, name in _imports(path, top_level_only=False)
+        if _owning_module(name) in registrations
+    }
+    assert importers == {"lightspeed.registry", "lightspeed.strategies", "lightspeed.fabric"}
+
+
+def test_imports_have_no_cycle() -> None:
     graph: dict[str, set[str]] = {}
     for module, path in MODULES.items():
-        targets = {_owning_module(name) for _, name in _imports(path, top_level_only=True)}
+        targets = {_owning_module(name) for _, name in _imports(path, top_level_only=False)}
         graph[module] = {t for t in targets if t and t != module}
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])

@@ -16,14 +16,8 @@ ZeRO-3 model gathered once for an evaluation whose ranks run different numbers o
 
 from lightspeed import callbacks, errors, export, fabric, plugins, strategies, xla
 from lightspeed._version import __version__
-from lightspeed.core.gather import (
-    GatherError,
-    gather_for_metrics,
-    gather_object,
-    pad_across_processes,
-    shard_iterable,
-    track,
-)
+from lightspeed.core.errors import GatherError
+from lightspeed.core.gather import gather_for_metrics, gather_object, pad_across_processes, shard_iterable, track
 from lightspeed.core.zero.evaluation import gathered_for_evaluation
 from lightspeed.core.zero.generation import gathered_for_generation
 from lightspeed.core.zero.pretrained import load_pretrained

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, SubsetRandomSampler
 
 import lightspeed
 from lightspeed.callbacks import GatherForMetrics
-from lightspeed.callbacks.gather_for_metrics import StepOutputError
-from lightspeed.core.gather import GatherError, GatherState
+from lightspeed.core.errors import GatherError, StepOutputError
+from lightspeed.core.gather import GatherState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "gather" / "scripts"))
 from gather_data import NUM_CLASSES, MapData, model, reference  # noqa: E402

@@ -20,8 +20,9 @@ from torch.utils.data import DistributedSampler, TensorDataset
 import lightspeed
 from _support.launch import REPO_ROOT, child_env, run_torchrun
 from _support.models import make_net, make_regression_data, reference_training
+from lightspeed.core.errors import DeepSpeedConfigError, IncompleteCheckpointError
 from lightspeed.core.reliability import staging as atomic_dir
-from lightspeed.core.zero.config import ZERO_PRESETS, DeepSpeedConfigError
+from lightspeed.core.zero.config import ZERO_PRESETS
 from lightspeed.core.zero.tuner.decision import TUNE_MARGIN
 from lightspeed.export import export_checkpoint
 
@@ -395,7 +396,7 @@ def test_load_refuses_an_interrupted_save(tmp_path: Path) -> None:
     strategy = lightspeed.fabric.ZeroFabricStrategy(stage=2)
     target = tmp_path / "ckpt"
     atomic_dir.prepare_staging(target)  # a save that never committed
-    with pytest.raises(atomic_dir.IncompleteCheckpointError, match="not a directory"):
+    with pytest.raises(IncompleteCheckpointError, match="not a directory"):
         strategy.load_checkpoint(target, state={"model": nn.Linear(1, 1)})
 
 

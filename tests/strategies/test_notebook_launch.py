@@ -110,7 +110,7 @@ def test_cuda_initialised_before_a_fork_launch_is_refused_before_any_process_sta
 
     import lightspeed  # noqa: F401
     from _support.models import RegressionModule
-    from lightspeed.strategies.launchers import CudaInitializedError
+    from lightspeed.core.errors import CudaInitializedError
     from lightspeed.strategies.zero import ZeroStrategy
 
     started = []

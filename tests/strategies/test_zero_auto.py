@@ -12,17 +12,8 @@ import torch
 
 from _support.launch import REPO_ROOT, run_torchrun
 from _support.models import RegressionModule, reference_training
-from lightspeed.core.zero.config import DeepSpeedConfigError
-from lightspeed.core.zero.planner import (
-    Accounting,
-    Budgets,
-    Cluster,
-    MemoryPlanError,
-    count_parameters,
-    estimate_all,
-    format_size,
-    plan,
-)
+from lightspeed.core.errors import DeepSpeedConfigError, MemoryPlanError
+from lightspeed.core.zero.planner import Accounting, Budgets, Cluster, count_parameters, estimate_all, format_size, plan
 from strategies.scripts.zero_auto_models import DeepRegressionModule, make_deep_net
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_auto_train.py"

@@ -11,12 +11,8 @@ from torch import nn
 
 from _support.launch import REPO_ROOT, run_torchrun
 from _support.models import make_net, make_regression_data
-from lightspeed.core.reliability.staging import (
-    COMPLETE_MARKER,
-    IncompleteCheckpointError,
-    require_complete,
-    staging_path,
-)
+from lightspeed.core.errors import IncompleteCheckpointError
+from lightspeed.core.reliability.staging import COMPLETE_MARKER, require_complete, staging_path
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_checkpoint.py"
 

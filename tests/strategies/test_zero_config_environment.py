@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lightspeed.core.zero.config import CONFIG_PATH_ENV, DeepSpeedConfigError
+from lightspeed.core.errors import DeepSpeedConfigError
+from lightspeed.core.zero.config import CONFIG_PATH_ENV
 from lightspeed.fabric import ZeroAutoFabricStrategy, ZeroFabricStrategy
 from lightspeed.strategies import ZeroAutoStrategy, ZeroStrategy
 

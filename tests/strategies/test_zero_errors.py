@@ -12,7 +12,8 @@ import pytest
 
 import lightspeed  # noqa: F401
 from _support.launch import REPO_ROOT, run_python
-from lightspeed.core.zero.config import NVME_PATH_ENV, ZERO_PRESETS, DeepSpeedConfigError
+from lightspeed.core.errors import DeepSpeedConfigError
+from lightspeed.core.zero.config import NVME_PATH_ENV, ZERO_PRESETS
 from lightspeed.strategies import ZeroStrategy
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_errors.py"

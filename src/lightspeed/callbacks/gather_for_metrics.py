@@ -33,7 +33,7 @@ what it has. The metrics are still updated once per global batch (every rank's `
 single-process metrics.
 
 If a step's output lacks ``preds_key`` / ``target_key`` on some rank, or holds other than one row per sample, every
-rank raises the same :class:`StepOutputError` (a :class:`~lightspeed.core.gather.collective.GatherError`) at that
+rank raises the same :class:`StepOutputError` (a :class:`~lightspeed.core.errors.GatherError`) at that
 window's gather instead of the others waiting for it.
 """
 
@@ -55,10 +55,9 @@ from typing_extensions import override
 
 from lightspeed.core.common.distributed import is_distributed, values_by_rank
 from lightspeed.core.common.sizes import parse_size
-from lightspeed.core.errors import StepOutputError
+from lightspeed.core.errors import CallSiteMismatch, StepOutputError
 from lightspeed.core.gather.accounting import GatherState, current_state, set_current_state
 from lightspeed.core.gather.api import end_of_dataloader
-from lightspeed.core.gather.collective import CallSiteMismatch
 from lightspeed.core.gather.tree import as_leaf
 from lightspeed.core.gather.window import (
     BatchWindow,
@@ -68,7 +67,7 @@ from lightspeed.core.gather.window import (
     row_bytes,
 )
 
-__all__ = ["GatherForMetrics", "StepOutputError"]
+__all__ = ["GatherForMetrics"]
 
 _MetricLike = Metric | MetricCollection | Callable[[Any, Any], Any]
 #: torchmetrics objects: deep-copied, moved to the module's device, updated per batch, computed and reset per epoch

@@ -92,7 +92,8 @@ def _counts(args: argparse.Namespace):
 
 def _budgets(args: argparse.Namespace):
     from lightspeed.core.common.sizes import parse_size
-    from lightspeed.core.zero.planner import MemoryPlanError, measure_budgets
+    from lightspeed.core.errors import MemoryPlanError
+    from lightspeed.core.zero.planner import measure_budgets
 
     return measure_budgets(
         device_memory=parse_size(args.gpu_memory, "--gpu-memory", MemoryPlanError) if args.gpu_memory else None,

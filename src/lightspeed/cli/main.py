@@ -30,7 +30,7 @@ SUBCOMMANDS = {
 def _user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions that report user mistakes with a message meant to be read, not a traceback: every lightspeed
     error (:class:`~lightspeed.errors.LightspeedError`) and the CLI's own :class:`UsageError`."""
-    from lightspeed.errors import LightspeedError
+    from lightspeed.core.errors import LightspeedError
 
     return (UsageError, LightspeedError)
 

@@ -12,9 +12,9 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightspeed.core.reliability.launched_world import check_launched_world, external_launcher
 from lightspeed.core.reliability.staging import save_file_atomically
 from lightspeed.fabric.process_group import ProcessGroupMixin
-from lightspeed.strategies.launchers import check_world_matches
 
 __all__ = ["DDPExactFabricStrategy"]
 
@@ -31,7 +31,9 @@ class DDPExactFabricStrategy(ProcessGroupMixin, DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        check_world_matches(self.cluster_environment, self.num_nodes, self.num_processes, front_end="Fabric")
+        check_launched_world(
+            *external_launcher(self.cluster_environment), self.num_nodes, self.num_processes, front_end="Fabric"
+        )
         super()._configure_launcher()
 
     @override

@@ -24,11 +24,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightspeed.core.errors import DeepSpeedConfigError
-from lightspeed.core.reliability.staging import StagedCheckpointSaver
+from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
 from lightspeed.core.zero import load_policy
+from lightspeed.core.zero.config.model_recipe import ModelOptions
 from lightspeed.core.zero.engine import save_models_checkpoint
 from lightspeed.core.zero.several_models import (
-    ModelOptions,
     check_model_options,
     mark_model_options,
     model_options_of,

@@ -26,6 +26,7 @@ Lightning Fabric's ``DeepSpeedStrategy`` with lightspeed's ZeRO core, the same t
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import weakref
@@ -52,8 +53,9 @@ from typing_extensions import override
 
 from lightspeed.core.checkpoint.loading import is_export, read_exported
 from lightspeed.core.errors import CheckpointError, DeepSpeedConfigError
+from lightspeed.core.reliability.launched_world import check_launched_world, external_launcher
 from lightspeed.core.reliability.node_local import describe_position, node_local_path
-from lightspeed.core.reliability.staging import StagedCheckpointSaver
+from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
 from lightspeed.core.zero import load_policy
 from lightspeed.core.zero import third_party_warnings as _third_party_warnings
 from lightspeed.core.zero.accumulation import (
@@ -75,12 +77,12 @@ from lightspeed.core.zero.config import (
     AUTO,
     TrainingFacts,
     ZeroConfigProperties,
-    ZeroTuning,
     describe_config,
     find_hidden_size,
     resolve_config_with_notes,
 )
 from lightspeed.core.zero.config.activation import Policy
+from lightspeed.core.zero.config.model_recipe import ModelRecipe
 from lightspeed.core.zero.engine import (
     initialize_engine,
     one_optimizer_error,
@@ -91,18 +93,16 @@ from lightspeed.core.zero.engine import (
 from lightspeed.core.zero.generation import keep_generation_in_step
 from lightspeed.core.zero.runtime import check_precision_supported, export_deepspeed_accelerator, zero_device_kind
 from lightspeed.core.zero.schedulable import make_schedulable
-from lightspeed.core.zero.several_models import ModelRecipe
 from lightspeed.core.zero.weights import load_full_state_dict
 from lightspeed.fabric.process_group import ProcessGroupMixin
 from lightspeed.fabric.several_models import SeveralModelsMixin
 from lightspeed.fabric.zero_models import ZeroModelsMixin
-from lightspeed.strategies.launchers import check_world_matches
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ConfigOptimizer", "ZeroFabricStrategy", "config_optimizer", "unknown_keywords_error"]
+__all__ = ["ConfigOptimizer", "ZeroFabricStrategy", "config_optimizer", "named_arguments", "unknown_keywords_error"]
 
 
 class ConfigOptimizer:
@@ -173,14 +173,17 @@ def unknown_keywords_error(cls_name: str, keywords: dict[str, Any]) -> TypeError
         + ", ".join(f"`{name}`" for name in sorted(keywords))
         + ".\n  - "
         + "\n  - ".join(lines)
-        + f"\n{cls_name} takes: stage, offload_optimizer, offload_parameters, nvme_path, pin_memory, "
-        "reduce_bucket_size, allgather_bucket_size, prefetch_bucket_size, param_persistence_threshold, "
-        "sub_group_size, activation_checkpointing_policy, partition_activations, cpu_checkpointing, "
-        "contiguous_memory_optimization, number_checkpoints, synchronize_checkpoint_boundary, profile, config, "
-        "accelerator, parallel_devices, cluster_environment, precision, "
-        "process_group_backend, timeout, logging_level, exclude_frozen_parameters, load_full_weights, "
-        "node_local_storage, compile, compile_kwargs."
+        + f"\n{cls_name} takes: {', '.join(named_arguments(ZeroFabricStrategy))}."
     )
+
+
+def named_arguments(cls: type) -> list[str]:
+    """The keyword arguments ``cls(...)`` declares by name, in order (from its signature: never a hand-kept list)."""
+    return [
+        name
+        for name, parameter in inspect.signature(cls).parameters.items()
+        if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
 
 
 _ZERO3_LATE_COMPILE = (
@@ -282,30 +285,7 @@ class ZeroFabricStrategy(
     ) -> None:
         if unsupported:
             raise unknown_keywords_error(type(self).__name__, unsupported)
-        tuning = ZeroTuning(
-            pin_memory=pin_memory,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
-            prefetch_bucket_size=prefetch_bucket_size,
-            param_persistence_threshold=param_persistence_threshold,
-            sub_group_size=sub_group_size,
-            partition_activations=partition_activations,
-            cpu_checkpointing=cpu_checkpointing,
-            contiguous_memory_optimization=contiguous_memory_optimization,
-            number_checkpoints=number_checkpoints,
-            synchronize_checkpoint_boundary=synchronize_checkpoint_boundary,
-            profile=profile,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-        )
-        recipe_of_models = ModelRecipe.of(
-            stage,
-            offload_optimizer,
-            offload_parameters,
-            nvme_path=nvme_path,
-            user_config=config,
-            tuning=tuning,
-            front_end="Fabric",
-        )
+        recipe_of_models = ModelRecipe.from_arguments(locals(), front_end="Fabric")
         recipe = recipe_of_models.config()
         self._init_lightning(
             recipe,
@@ -321,7 +301,7 @@ class ZeroFabricStrategy(
             node_local_storage=node_local_storage,
             compile=compile,
             compile_kwargs=compile_kwargs,
-            activation_checkpointing_policy=tuning.policy,
+            activation_checkpointing_policy=recipe_of_models.tuning.policy,
         )
         self._init_several_models(recipe_of_models.for_model)
 
@@ -373,7 +353,9 @@ class ZeroFabricStrategy(
         if self._compile_request is not None:
             check_compile_supported(self._compile_request, self.config, kind)
         export_deepspeed_accelerator(kind)
-        check_world_matches(self.cluster_environment, self.num_nodes, self.num_processes, front_end="Fabric")
+        check_launched_world(
+            *external_launcher(self.cluster_environment), self.num_nodes, self.num_processes, front_end="Fabric"
+        )
         super()._configure_launcher()
 
     # ------------------------------------------------------------------ process setup

@@ -21,31 +21,15 @@ from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.engine import one_optimizer_error
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
 from lightspeed.core.zero.tuner import TrialParts, TuneRequest, copy_module_and_optimizer, first_batches
-from lightspeed.fabric.zero import ConfigOptimizer, ZeroFabricStrategy, unknown_keywords_error
+from lightspeed.fabric.zero import ConfigOptimizer, ZeroFabricStrategy, named_arguments, unknown_keywords_error
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
 __all__ = ["ZeroAutoFabricStrategy"]
 
-#: the Fabric strategy arguments zero_auto passes on to ZeroFabricStrategy
-_FABRIC_STRATEGY_ARGUMENTS = frozenset(
-    {
-        "pin_memory",
-        "accelerator",
-        "parallel_devices",
-        "cluster_environment",
-        "precision",
-        "process_group_backend",
-        "timeout",
-        "logging_level",
-        "exclude_frozen_parameters",
-        "load_full_weights",
-        "node_local_storage",
-        "compile",
-        "compile_kwargs",
-    }
-)
+#: ZeroFabricStrategy's arguments that zero_auto decides itself (the tuning knobs are taken by its request)
+_DECIDED_HERE = frozenset({"stage", "offload_optimizer", "offload_parameters", "nvme_path", "config"})
 
 
 class ZeroAutoFabricStrategy(ZeroFabricStrategy):
@@ -106,7 +90,8 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
             kwargs=kwargs,
             front_end="Fabric",
         )
-        unknown = {name: value for name, value in kwargs.items() if name not in _FABRIC_STRATEGY_ARGUMENTS}
+        passed_on = set(named_arguments(ZeroFabricStrategy)) - _DECIDED_HERE
+        unknown = {name: value for name, value in kwargs.items() if name not in passed_on}
         if unknown:
             raise unknown_keywords_error(type(self).__name__, unknown)
         self._init_lightning(

@@ -10,8 +10,9 @@ from __future__ import annotations
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
+from lightspeed.core.reliability.launched_world import check_launched_world, external_launcher
 from lightspeed.strategies.exact_accumulation import ExactAccumulationMixin
-from lightspeed.strategies.launchers import check_world_matches, fork_launcher_if_wanted
+from lightspeed.strategies.launchers import fork_launcher_if_wanted
 from lightspeed.strategies.process_group import ProcessGroupMixin
 from lightspeed.strategies.resumable_data import ResumableDataMixin
 
@@ -31,7 +32,7 @@ class DDPExactStrategy(ProcessGroupMixin, ResumableDataMixin, ExactAccumulationM
 
     @override
     def _configure_launcher(self) -> None:
-        check_world_matches(self.cluster_environment, self.num_nodes, self.num_processes)
+        check_launched_world(*external_launcher(self.cluster_environment), self.num_nodes, self.num_processes)
         launcher = fork_launcher_if_wanted(self, self._start_method)
         if launcher is not None:
             self._launcher = launcher

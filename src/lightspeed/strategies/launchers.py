@@ -6,8 +6,6 @@ before any process starts.
   (``ddp_notebook``'s launcher) with fork, extended so that after a ZeRO-3 ``fit`` the notebook's model receives the
   consolidated full weights (a partitioned module's ``state_dict()`` is empty), the process group a worker created
   is destroyed before the worker exits, and CUDA initialised before the fork is refused with advice.
-* :func:`check_world_matches` refuses a ``Trainer(num_nodes=..., devices=...)`` that disagrees with the world an
-  external launcher (torchrun, SLURM) started, in ``Trainer.__init__``, before training.
 """
 
 from __future__ import annotations
@@ -20,26 +18,21 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 from typing_extensions import override
 
-from lightspeed.core.errors import CudaInitializedError, WorldSizeMismatchError
+from lightspeed.core.errors import CudaInitializedError
 from lightspeed.core.reliability import process_group as _process_group
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.fabric.plugins.environments import ClusterEnvironment
 
 __all__ = [
-    "CudaInitializedError",
     "LightspeedForkLauncher",
-    "WorldSizeMismatchError",
     "check_cuda_not_initialized",
-    "check_world_matches",
     "is_interactive",
     "wants_fork",
 ]
@@ -86,39 +79,6 @@ def check_cuda_not_initialized() -> None:
             "calling the Trainer: build the model on the CPU and let the strategy move it to the GPUs. (In a script, "
             "run it as `python train.py` without start_method='fork'.)"
         )
-
-
-def check_world_matches(
-    environment: ClusterEnvironment | None, num_nodes: int, num_processes: int, front_end: str = "Trainer"
-) -> None:
-    """:class:`WorldSizeMismatchError` when torchrun or SLURM started a different world than ``front_end`` (the
-    Trainer or Fabric) asks for."""
-    if environment is None or not environment.creates_processes_externally:
-        return
-    asked = num_nodes * num_processes
-    if isinstance(environment, TorchElasticEnvironment):
-        world = environment.world_size()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
-        nodes = world // local if local else world
-        if asked != world or local != num_processes:
-            raise WorldSizeMismatchError(
-                f"`{front_end}(num_nodes={num_nodes}, devices={num_processes})` asks for {asked} processes, but "
-                f"torchrun started {world} ({nodes} node(s) x {local} per node: WORLD_SIZE={world}, "
-                f"LOCAL_WORLD_SIZE={local}). Set `{front_end}(num_nodes={nodes}, devices={local})`, or start "
-                f"torchrun with `--nnodes {num_nodes} --nproc-per-node {num_processes}`."
-            )
-    elif isinstance(environment, SLURMEnvironment):
-        nnodes = os.environ.get("SLURM_NNODES") or os.environ.get("SLURM_JOB_NUM_NODES")
-        per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        world = environment.world_size()
-        wrong_nodes = nnodes is not None and nnodes.isdigit() and int(nnodes) != num_nodes
-        wrong_tasks = per_node.isdigit() and int(per_node) != num_processes
-        if asked != world or wrong_nodes or wrong_tasks:
-            raise WorldSizeMismatchError(
-                f"`{front_end}(num_nodes={num_nodes}, devices={num_processes})` asks for {asked} processes, but SLURM "
-                f"started {world} tasks (SLURM_NNODES={nnodes}, SLURM_NTASKS_PER_NODE={per_node or '?'}). Make "
-                "`num_nodes` equal `#SBATCH --nodes` and `devices` equal `#SBATCH --ntasks-per-node`."
-            )
 
 
 def _is_partitioned(tensor: torch.Tensor) -> bool:

@@ -23,9 +23,9 @@ from typing_extensions import override
 
 from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config import find_hidden_size, resolve_config
+from lightspeed.core.zero.config.model_recipe import ModelOptions
 from lightspeed.core.zero.engine import initialize_engine, prepare_optimizer
 from lightspeed.core.zero.several_models import (
-    ModelOptions,
     assign_optimizers,
     engine_for_backward,
     model_dtype_for,

@@ -39,8 +39,9 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
 from lightspeed.core.errors import CheckpointError, DeepSpeedConfigError
+from lightspeed.core.reliability.launched_world import check_launched_world, external_launcher
 from lightspeed.core.reliability.node_local import describe_position, node_local_path
-from lightspeed.core.reliability.staging import StagedCheckpointSaver
+from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
 from lightspeed.core.zero import load_policy
 from lightspeed.core.zero import third_party_warnings as _third_party_warnings
 from lightspeed.core.zero.activation_checkpointing import apply_policy, configure_deepspeed_checkpointing
@@ -54,11 +55,11 @@ from lightspeed.core.zero.compile import (
 )
 from lightspeed.core.zero.config import (
     ZeroConfigProperties,
-    ZeroTuning,
     describe_config,
     resolve_config_with_notes,
 )
 from lightspeed.core.zero.config.activation import Policy
+from lightspeed.core.zero.config.model_recipe import ModelRecipe, model_recipes
 from lightspeed.core.zero.engine import (
     initialize_engine,
     one_optimizer_error,
@@ -73,11 +74,11 @@ from lightspeed.core.zero.runtime import (
     export_deepspeed_accelerator,
     zero_device_kind,
 )
-from lightspeed.core.zero.several_models import ModelRecipe, model_recipes, parse_model_options
+from lightspeed.core.zero.several_models import parse_model_options
 from lightspeed.core.zero.weights import load_full_state_dict
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationMixin
-from lightspeed.strategies.launchers import check_start_method, check_world_matches, fork_launcher_if_wanted
+from lightspeed.strategies.launchers import check_start_method, fork_launcher_if_wanted
 from lightspeed.strategies.process_group import ProcessGroupMixin
 from lightspeed.strategies.resumable_data import ResumableDataMixin
 from lightspeed.strategies.several_models import SeveralModelsMixin
@@ -182,30 +183,7 @@ class ZeroStrategy(
         compile_kwargs: dict[str, Any] | None = None,
         models: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
     ) -> None:
-        tuning = ZeroTuning(
-            pin_memory=pin_memory,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
-            prefetch_bucket_size=prefetch_bucket_size,
-            param_persistence_threshold=param_persistence_threshold,
-            sub_group_size=sub_group_size,
-            partition_activations=partition_activations,
-            cpu_checkpointing=cpu_checkpointing,
-            contiguous_memory_optimization=contiguous_memory_optimization,
-            number_checkpoints=number_checkpoints,
-            synchronize_checkpoint_boundary=synchronize_checkpoint_boundary,
-            profile=profile,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-        )
-        recipe = ModelRecipe.of(
-            stage,
-            offload_optimizer,
-            offload_parameters,
-            nvme_path=nvme_path,
-            user_config=config,
-            tuning=tuning,
-            front_end="Trainer",
-        )
+        recipe = ModelRecipe.from_arguments(locals(), front_end="Trainer")
         deepspeed_config = recipe.config()
         options = parse_model_options(models, "ZeroStrategy(models=...)")
         recipes = model_recipes(options, recipe, "ZeroStrategy(models=...)")
@@ -241,7 +219,7 @@ class ZeroStrategy(
             start_method=start_method,
             compile=compile,
             compile_kwargs=compile_kwargs,
-            activation_checkpointing_policy=tuning.policy,
+            activation_checkpointing_policy=recipe.tuning.policy,
         )
         self._init_several_models(options, recipes)
 
@@ -336,7 +314,7 @@ class ZeroStrategy(
         if self._compile_request is not None:
             check_compile_supported(self._compile_request, self.config, kind)
         export_deepspeed_accelerator(kind)
-        check_world_matches(self.cluster_environment, self.num_nodes, self.num_processes)
+        check_launched_world(*external_launcher(self.cluster_environment), self.num_nodes, self.num_processes)
         launcher = fork_launcher_if_wanted(self, self._start_method_choice)
         if launcher is not None:
             self._launcher = launcher

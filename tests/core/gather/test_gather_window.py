@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightspeed.core.errors import GatherError
 from lightspeed.core.gather.accounting import GatherState
-from lightspeed.core.gather.collective import GatherError
 from lightspeed.core.gather.window import BatchWindow, batches_for_budget, batches_per_window, row_bytes, split_by_batch
 
 

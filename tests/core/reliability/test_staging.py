@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from lightspeed.core.errors import IncompleteCheckpointError
 from lightspeed.core.reliability import staging as atomic_dir
 
 
@@ -40,14 +41,14 @@ def test_commit_replaces_an_existing_checkpoint(tmp_path: Path) -> None:
 def test_interrupted_save_is_detected_and_cleaned_up(tmp_path: Path) -> None:
     target = tmp_path / "model.ckpt"
     _write(atomic_dir.prepare_staging(target), "partial")
-    with pytest.raises(atomic_dir.IncompleteCheckpointError, match="not written completely"):
+    with pytest.raises(IncompleteCheckpointError, match="not written completely"):
         atomic_dir.require_complete(atomic_dir.staging_path(target))
     staging = atomic_dir.prepare_staging(target)  # the next save starts clean
     assert list(staging.iterdir()) == []
 
 
 def test_missing_directory(tmp_path: Path) -> None:
-    with pytest.raises(atomic_dir.IncompleteCheckpointError, match="is not a directory"):
+    with pytest.raises(IncompleteCheckpointError, match="is not a directory"):
         atomic_dir.require_complete(tmp_path / "missing")
 
 
@@ -79,7 +80,7 @@ def test_target_lost_mid_swap_points_to_the_previous_copy(tmp_path: Path) -> Non
     _write(atomic_dir.prepare_staging(target), "old")
     atomic_dir.commit(target)
     target.rename(atomic_dir.replaced_path(target))  # as if killed between the two renames
-    with pytest.raises(atomic_dir.IncompleteCheckpointError, match=r"holds the previous version .* Rename it back"):
+    with pytest.raises(IncompleteCheckpointError, match=r"holds the previous version .* Rename it back"):
         atomic_dir.require_complete(target)
 
 
@@ -111,7 +112,7 @@ def test_commit_records_file_sizes_and_a_truncated_file_is_reported(tmp_path: Pa
         "tag/shard_0.pt (40 bytes, 100 when written)",
         "tag/shard_1.pt (missing)",
     ]
-    with pytest.raises(atomic_dir.IncompleteCheckpointError) as error:
+    with pytest.raises(IncompleteCheckpointError) as error:
         atomic_dir.require_intact(target)
     assert str(error.value) == (
         f"Checkpoint {str(target)!r} is damaged: tag/shard_0.pt (40 bytes, 100 when written), tag/shard_1.pt "

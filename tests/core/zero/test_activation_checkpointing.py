@@ -14,19 +14,14 @@ import pytest
 import torch
 from torch import nn
 
+from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.activation_checkpointing import (
     CheckpointedForward,
     apply_policy,
     checkpointed_modules,
 )
 from lightspeed.core.zero.auto_choice import check_zero_auto_arguments, zero_auto_config
-from lightspeed.core.zero.config import (
-    DeepSpeedConfigError,
-    TrainingFacts,
-    ZeroTuning,
-    build_zero_config,
-    resolve_config_with_notes,
-)
+from lightspeed.core.zero.config import TrainingFacts, ZeroTuning, build_zero_config, resolve_config_with_notes
 from lightspeed.core.zero.config.activation import checked_policy
 from lightspeed.core.zero.planner import ZERO_OPTIONS
 

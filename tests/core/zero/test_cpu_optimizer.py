@@ -9,11 +9,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from lightspeed.core.zero.cpu_optimizer import (
-    UnsupportedOffloadOptimizerError,
-    describe_conversion,
-    to_deepspeed_cpu_adam,
-)
+from lightspeed.core.errors import UnsupportedOffloadOptimizerError
+from lightspeed.core.zero.cpu_optimizer import describe_conversion, to_deepspeed_cpu_adam
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:

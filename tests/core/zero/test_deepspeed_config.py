@@ -12,8 +12,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's own config parser 
 
 import pytest
 
+from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config import (
-    DeepSpeedConfigError,
     TrainingFacts,
     describe_config,
     load_user_config,

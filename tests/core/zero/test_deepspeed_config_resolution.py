@@ -11,8 +11,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import pytest
 
+from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config import (
-    DeepSpeedConfigError,
     OptimizerFacts,
     TrainingFacts,
     resolve_config,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightspeed.core.common.sizes import parse_size
+from lightspeed.core.errors import MemoryPlanError
 from lightspeed.core.zero.config.facts import PRECISIONS
 from lightspeed.core.zero.planner import (
     GIB,
@@ -18,7 +19,6 @@ from lightspeed.core.zero.planner import (
     Accounting,
     Budgets,
     Cluster,
-    MemoryPlanError,
     ModelCounts,
     ZeroOption,
     count_parameters,

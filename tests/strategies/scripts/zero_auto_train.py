@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401  (registers the strategy names)
 from _support.models import RegressionModule, full_state_dict, make_regression_data
-from lightspeed.core.zero.planner import MemoryPlanError
+from lightspeed.core.errors import MemoryPlanError
 from lightspeed.strategies.zero_auto import ZeroAutoStrategy
 from strategies.scripts.zero_auto_models import DeepRegressionModule
 

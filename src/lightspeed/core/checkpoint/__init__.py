@@ -10,8 +10,6 @@ No Lightning imports here: the Lightning callback and the command-line tool are 
 * :mod:`.safetensors_writer` streams tensors into safetensors shards inside a staging directory.
 * :mod:`.exporter` ties these together; :mod:`.live` exports a running DeepSpeed engine; :mod:`.loading` loads
   an export back into a module.
+
+Its errors are :class:`~lightspeed.core.errors.CheckpointError` and :class:`~lightspeed.core.errors.ExportError`.
 """
-
-from lightspeed.core.errors import CheckpointError, ExportError
-
-__all__ = ["CheckpointError", "ExportError"]

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from lightspeed.core.gather.accounting import GatherState, current_state
 from lightspeed.core.gather.api import end_of_dataloader, gather_for_metrics, gather_object, track
-from lightspeed.core.gather.collective import CallSiteMismatch, GatherError, fail_gather
+from lightspeed.core.gather.collective import fail_gather
 from lightspeed.core.gather.padding import pad_across_processes
 from lightspeed.core.gather.sharding import ShardedIterable, shard_iterable
 
 __all__ = [
-    "CallSiteMismatch",
-    "GatherError",
     "GatherState",
     "ShardedIterable",
     "current_state",

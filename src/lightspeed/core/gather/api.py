@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lightspeed.core.common.distributed import is_distributed, values_by_rank
+from lightspeed.core.errors import GatherError
 from lightspeed.core.gather.accounting import (
     GatherState,
     current_state,
@@ -48,7 +49,7 @@ from lightspeed.core.gather.accounting import (
     state_for_dataloader,
     warn_once,
 )
-from lightspeed.core.gather.collective import CallSite, GatherError, agree, comm_device, fail_gather, gather_site
+from lightspeed.core.gather.collective import CallSite, agree, comm_device, fail_gather, gather_site
 from lightspeed.core.gather.tree import Leaf, flatten, nested_problem
 from lightspeed.core.gather.wire import narrowest_code, pack, unpack, wire_dtype
 
@@ -65,7 +66,7 @@ def gather_for_metrics(
     """All-gather ``data`` from every rank, dropping the samples a distributed sampler added as padding.
 
     Collective: every rank must call it, the same number of times, with the same structure and dtypes; a
-    mismatch raises a :class:`~lightspeed.core.gather.collective.GatherError` on every rank naming the rank that
+    mismatch raises a :class:`~lightspeed.core.errors.GatherError` on every rank naming the rank that
     differs.
 
     ``first_sample`` is this rank's position, among the samples it has produced this epoch, of row 0 of ``data``:

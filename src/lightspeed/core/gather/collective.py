@@ -297,8 +297,6 @@ __all__ = [
     "PAYLOAD_CAPACITY",
     "TIMEOUT_ENV",
     "CallSite",
-    "CallSiteMismatch",
-    "GatherError",
     "agree",
     "all_gather_flat",
     "all_gather_ints",

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
+from lightspeed.core.errors import GatherError
 from lightspeed.core.gather.accounting import GatherState
 from lightspeed.core.gather.api import gather_for_metrics
-from lightspeed.core.gather.collective import GatherError, fail_gather
+from lightspeed.core.gather.collective import fail_gather
 from lightspeed.core.gather.tree import as_leaf
 
 #: name of the extra gathered leaf holding each sample's batch number (chosen not to collide with output names)

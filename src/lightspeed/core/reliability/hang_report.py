@@ -26,10 +26,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
-from lightspeed.core.errors import CollectiveTimeoutError
-
 __all__ = [
-    "CollectiveTimeoutError",
     "Heartbeat",
     "collective_name",
     "heartbeat_interval",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightspeed.core.errors import CheckpointError
+from lightspeed.core.errors import CheckpointError, IncompleteCheckpointError
 from lightspeed.core.reliability import staging as atomic_dir
 
 __all__ = [
@@ -193,7 +193,7 @@ def require_part(path: str | os.PathLike, node_rank: int | None = None) -> NodeL
         )
     try:
         atomic_dir.require_complete(path)
-    except atomic_dir.IncompleteCheckpointError as err:
+    except IncompleteCheckpointError as err:
         raise CheckpointError(f"{where}: {err}") from None
     part = read_part(path)
     if part is None:

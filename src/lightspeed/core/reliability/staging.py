@@ -4,12 +4,7 @@ renamed into place, so a crash leaves the previous version or the new one, never
 * The primitives: :func:`prepare_staging`, :func:`commit` (completion marker recording every file's size, then an
   atomic rename), :func:`swap_into_place` (replace a directory without a moment where neither exists under a known
   name), :func:`require_intact` (committed and no file truncated since).
-* :class:`StagedCheckpointSaver`: a checkpoint every rank writes into, in three phases (rank 0 prepares, every rank
-  writes, rank 0 commits), each followed by an agreement across ranks
-  (:func:`~lightspeed.core.common.distributed.raise_on_every_rank`), so no rank waits for one that hit a full disk.
-  Node-local checkpoints (``node=`` a :class:`~lightspeed.core.reliability.node_local.NodePosition`): every node's
-  local rank 0 does what rank 0 does for its own directory; all nodes' commits carry one ``save_id``, and the save
-  succeeded only when every node committed (see :mod:`lightspeed.core.reliability.node_local`).
+* A checkpoint every rank writes into is built on them in :mod:`lightspeed.core.reliability.staged_saver`.
 * :func:`staged_output`: an export written beside the output directory and swapped in, so the output directory
   holds a complete export or is left exactly as it was (an error or Ctrl-C removes the staging directory).
 """
@@ -24,21 +19,16 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lightspeed.core.common.distributed import global_rank, is_distributed, raise_on_every_rank
+from lightspeed.core.common.distributed import global_rank, raise_on_every_rank
 from lightspeed.core.errors import CheckpointError, ExportError, IncompleteCheckpointError
-
-if TYPE_CHECKING:
-    from lightspeed.core.reliability.node_local import NodePosition
 
 __all__ = [
     "COMPLETE_MARKER",
     "MODELS_MANIFEST_KEY",
     "REPLACED_SUFFIX",
     "STAGING_SUFFIX",
-    "IncompleteCheckpointError",
-    "StagedCheckpointSaver",
     "check_output_dir",
     "check_output_dir_on_every_rank",
     "commit",
@@ -263,76 +253,3 @@ def staged_output(output_dir: str | os.PathLike, overwrite: bool) -> Iterator[Pa
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-# ------------------------------------------------------------------------ checkpoints written by every rank
-class StagedCheckpointSaver:
-    """Saves checkpoint directories through staging and commit; remembers whether stale staging was swept."""
-
-    def __init__(self) -> None:
-        self._swept_staging = False
-
-    def save(
-        self,
-        target: str | os.PathLike[str],
-        write: Callable[[Path], None],
-        *,
-        manifest: dict[str, Any],
-        extra_files: dict[str, str] | None = None,
-        node: NodePosition | None = None,
-    ) -> Path:
-        """Run ``write(staging_dir)`` on every rank and commit ``target`` once all succeeded (a collective: every rank
-        calls it with the same ``target``). ``extra_files`` (name -> text) and ``manifest`` are written by rank 0, or
-        with ``node`` (node-local storage) by every node's local rank 0 into its node's own ``target``."""
-        # node_local reads the markers this module writes, so it is imported here rather than at the top
-        from lightspeed.core.reliability.node_local import NODE_LOCAL_KEY, node_manifest
-
-        target = Path(target)
-        staging = staging_path(target)
-        is_writer = node.local_rank == 0 if node is not None else global_rank() == 0
-        if node is not None:
-            manifest = {**manifest, NODE_LOCAL_KEY: {"save_id": _agreed_save_id()}}
-
-        def prepare_phase() -> None:
-            if is_writer:
-                if not self._swept_staging:  # leftovers of saves that crashed in an earlier run
-                    remove_stale_staging(staging.parent)
-                    self._swept_staging = True
-                prepare_staging(target)
-
-        def commit_phase() -> None:
-            if is_writer:
-                for name, text in (extra_files or {}).items():
-                    (staging / name).write_text(text)
-                record = manifest
-                if node is not None:
-                    record = {
-                        **manifest,
-                        NODE_LOCAL_KEY: node_manifest(node, manifest[NODE_LOCAL_KEY]["save_id"], staging),
-                    }
-                commit(target, manifest=record)
-
-        what = f"Saving checkpoint {str(target)!r}"
-        for phase in (prepare_phase, lambda: write(staging), commit_phase):
-            error: BaseException | None = None
-            try:
-                phase()
-            except Exception as err:  # noqa: BLE001 - re-raised on this rank, reported on the others
-                error = err
-            raise_on_every_rank(
-                error,
-                what,
-                others_message=f"{what} failed on another rank (its own error says why); the previous checkpoint "
-                "is untouched.",
-            )
-        return target
-
-
-def _agreed_save_id() -> str:
-    """A random id for one save, the same on every rank (rank 0's)."""
-    import torch.distributed as dist
-
-    ids = [uuid.uuid4().hex]
-    if is_distributed():
-        dist.broadcast_object_list(ids, src=0)
-    return ids[0]

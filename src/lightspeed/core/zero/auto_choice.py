@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from lightspeed.core.common.sizes import parse_size
+from lightspeed.core.errors import DeepSpeedConfigError, MemoryPlanError
 from lightspeed.core.zero.config import (
     NVME_PATH_ENV,
-    DeepSpeedConfigError,
     ZeroTuning,
     build_zero_config,
     check_zero_section,
@@ -26,7 +26,6 @@ from lightspeed.core.zero.planner import (
     Accounting,
     Budgets,
     Cluster,
-    MemoryPlanError,
     Plan,
     ZeroOption,
     count_parameters,

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from lightspeed.core.zero.config import DeepSpeedConfigError, config_stage
+from lightspeed.core.errors import DeepSpeedConfigError
+from lightspeed.core.zero.config import config_stage
 
 __all__ = [
     "ZERO3_LEAF_CLASSES",

@@ -22,15 +22,12 @@ from typing import Any
 import torch
 
 from lightspeed.core.common.distributed import is_distributed
+from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.reliability import staging as atomic_dir
 from lightspeed.core.reliability.node_local import NodePosition
-from lightspeed.core.reliability.staging import MODELS_MANIFEST_KEY, StagedCheckpointSaver
-from lightspeed.core.zero.config import (
-    DeepSpeedConfigError,
-    config_offloads_optimizer,
-    config_stage,
-    describe_config,
-)
+from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
+from lightspeed.core.reliability.staging import MODELS_MANIFEST_KEY
+from lightspeed.core.zero.config import config_offloads_optimizer, config_stage, describe_config
 from lightspeed.core.zero.cpu_optimizer import prepare_offloaded_optimizer, retarget_lr_scheduler
 from lightspeed.core.zero.runtime import (
     async_io_problem,

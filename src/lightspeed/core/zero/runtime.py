@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightspeed.core.zero.config.errors import DeepSpeedConfigError
+from lightspeed.core.errors import DeepSpeedConfigError
 
 DEVICE_KINDS = ("cpu", "cuda")
 TORCH_EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"

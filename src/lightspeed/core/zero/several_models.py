@@ -4,8 +4,9 @@
 One DeepSpeed engine trains one model with one optimizer, so a module holding several models gets one engine per
 model. This module holds what both front ends share:
 
-* :class:`ModelOptions` / :func:`parse_model_options` / :func:`mark_model_options`: a model's own stage and offload
-  targets (the strategy's where left out), checked when given; :class:`ModelRecipe` builds each model's config;
+* :func:`parse_model_options` / :func:`mark_model_options`: a model's own stage and offload targets
+  (:class:`~lightspeed.core.zero.config.model_recipe.ModelOptions`, the strategy's where left out), checked when given;
+  :class:`~lightspeed.core.zero.config.model_recipe.ModelRecipe` builds each model's config;
 * :func:`assign_optimizers`: which model each optimizer trains, refusing two optimizers for one model and one
   optimizer over two models;
 * :func:`route_forward`: calling the model itself (``self.generator(z)``) runs its engine's forward, which DeepSpeed
@@ -23,49 +24,28 @@ No Lightning here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightspeed.core.errors import DeepSpeedConfigError
-from lightspeed.core.zero.config import ZeroTuning, build_zero_config
 from lightspeed.core.zero.config.choices import check_zero_stage, offload_target
+from lightspeed.core.zero.config.model_recipe import ModelOptions
 
 __all__ = [
-    "ModelOptions",
-    "ModelRecipe",
     "assign_optimizers",
     "check_model_options",
     "engine_for_backward",
     "mark_model_options",
     "model_dtype_for",
     "model_options_of",
-    "model_recipes",
     "parse_model_options",
     "route_forward",
     "without_training_sections",
 ]
 
 _OPTION_KEYS = ("stage", "offload_optimizer", "offload_parameters")
-
-
-@dataclass(frozen=True)
-class ModelOptions:
-    """One model's own ZeRO stage and offload targets; ``None`` takes the strategy's."""
-
-    stage: int | None = None
-    offload_optimizer: str | None = None
-    offload_parameters: str | None = None
-
-    def over(self, stage: int, offload_optimizer: str, offload_parameters: str) -> ModelOptions:
-        """These options with the strategy's filled in where left out."""
-        return ModelOptions(
-            stage if self.stage is None else self.stage,
-            offload_optimizer if self.offload_optimizer is None else self.offload_optimizer,
-            offload_parameters if self.offload_parameters is None else self.offload_parameters,
-        )
 
 
 def parse_model_options(models: Mapping[str, Any] | Sequence[str] | None, argument: str) -> dict[str, ModelOptions]:
@@ -129,63 +109,6 @@ def check_model_options(
         None if offload_optimizer is None else offload_target(offload_optimizer, "offload_optimizer"),
         None if offload_parameters is None else offload_target(offload_parameters, "offload_parameters"),
     )
-
-
-@dataclass(frozen=True)
-class ModelRecipe:
-    """What a ZeRO strategy builds its DeepSpeed config from (:meth:`config`), kept so that each model can get its own
-    (:meth:`for_model`): the strategy's stage and offload targets (checked), NVMe directory, user config, tuning and
-    front end."""
-
-    stage: int
-    offload_optimizer: str
-    offload_parameters: str
-    nvme_path: Any
-    user_config: Any
-    tuning: ZeroTuning
-    front_end: str
-
-    @classmethod
-    def of(
-        cls,
-        stage: Any,
-        offload_optimizer: str | bool | None,
-        offload_parameters: str | bool | None,
-        **rest: Any,
-    ) -> ModelRecipe:
-        """The strategy's arguments, checked (``rest``: ``nvme_path``, ``user_config``, ``tuning``, ``front_end``)."""
-        return cls(
-            check_zero_stage(stage),
-            offload_target(offload_optimizer, "offload_optimizer"),
-            offload_target(offload_parameters, "offload_parameters"),
-            **rest,
-        )
-
-    def config(self) -> dict[str, Any]:
-        """The strategy's own config (with ``"auto"`` values), from its arguments as given."""
-        return build_zero_config(
-            self.stage,
-            self.offload_optimizer,
-            self.offload_parameters,
-            nvme_path=self.nvme_path,
-            user_config=self.user_config,
-            tuning=self.tuning,
-            front_end=self.front_end,
-        )
-
-    def for_model(self, options: ModelOptions) -> dict[str, Any]:
-        """The config (with ``"auto"`` values) of a model with ``options``, the strategy's where left out."""
-        own = options.over(self.stage, self.offload_optimizer, self.offload_parameters)
-        stage = int(own.stage or 0)
-        return build_zero_config(
-            stage,
-            own.offload_optimizer,
-            own.offload_parameters,
-            nvme_path=self.nvme_path,
-            user_config=self.user_config,
-            tuning=self.tuning.for_stage(stage),
-            front_end=self.front_end,
-        )
 
 
 def assign_optimizers(
@@ -309,27 +232,3 @@ def without_training_sections(config: Mapping[str, Any]) -> dict[str, Any]:
     zero.pop("offload_optimizer", None)
     frozen["zero_optimization"] = zero
     return frozen
-
-
-def model_recipes(options: Mapping[str, ModelOptions], recipe: ModelRecipe, argument: str) -> dict[str, dict[str, Any]]:
-    """Each model's DeepSpeed config (still with ``"auto"`` values) from its options over the strategy's ``recipe``;
-    a user config that sets another stage than a model asks for, or an optimizer section (which one model would it
-    train?), is an error."""
-    recipes: dict[str, dict[str, Any]] = {}
-    for name, model_options in options.items():
-        built = recipe.for_model(model_options)
-        stage = int((built.get("zero_optimization") or {}).get("stage", 0))
-        wanted = recipe.stage if model_options.stage is None else model_options.stage
-        if stage != wanted:
-            raise DeepSpeedConfigError(
-                f"{argument}[{name!r}] asks for ZeRO stage {wanted}, but the DeepSpeed config sets "
-                f'"zero_optimization": {{"stage": {stage}}}. Remove the stage from the config: with several models '
-                "each model's stage comes from the strategy and its options."
-            )
-        if "optimizer" in built or "scheduler" in built:
-            raise DeepSpeedConfigError(
-                f"The DeepSpeed config has an optimizer or scheduler section, but {argument} trains several models, "
-                "each with the optimizer `configure_optimizers` (or `fabric.setup`) gives it. Remove the section."
-            )
-        recipes[name] = built
-    return recipes

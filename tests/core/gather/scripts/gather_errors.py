@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gather_data import LengthIterable, MapData, ShardedIterable  # noqa: E402
 
 from lightspeed import gather_for_metrics, pad_across_processes  # noqa: E402
-from lightspeed.core.gather import GatherError, GatherState, fail_gather, track  # noqa: E402
+from lightspeed.core.errors import GatherError
+from lightspeed.core.gather import GatherState, fail_gather, track
 
 
 class NoPredictions(GatherError):

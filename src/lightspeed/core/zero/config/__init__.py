@@ -3,7 +3,6 @@ resolving ``"auto"`` values against the Trainer's settings. Only torch, DeepSpee
 Lightning. Internal: the strategies and the CLI are its users."""
 
 from lightspeed.core.zero.config.choices import AUTO, OFFLOAD_TARGETS, ZERO_STAGES
-from lightspeed.core.zero.config.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config.facts import OptimizerFacts, TrainingFacts
 from lightspeed.core.zero.config.loading import (
     CONFIG_PATH_ENV,
@@ -38,7 +37,6 @@ __all__ = [
     "OFFLOAD_TARGETS",
     "ZERO_PRESETS",
     "ZERO_STAGES",
-    "DeepSpeedConfigError",
     "OptimizerFacts",
     "TrainingFacts",
     "ZeroPreset",

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config.choices import AUTO
-from lightspeed.core.zero.config.errors import DeepSpeedConfigError
 
 #: the section's name in the DeepSpeed config
 SECTION = "activation_checkpointing"

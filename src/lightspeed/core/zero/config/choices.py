@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightspeed.core.zero.config.errors import DeepSpeedConfigError
+from lightspeed.core.errors import DeepSpeedConfigError
 
 #: a config value the strategy fills in from the Trainer and the model at setup
 AUTO = "auto"

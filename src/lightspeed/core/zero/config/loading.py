@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from lightspeed.core.zero.config.errors import DeepSpeedConfigError
+from lightspeed.core.errors import DeepSpeedConfigError
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

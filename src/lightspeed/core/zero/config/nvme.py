@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lightspeed.core.zero.config.errors import DeepSpeedConfigError
+from lightspeed.core.errors import DeepSpeedConfigError
 
 #: environment variable naming the NVMe offload directory when ``nvme_path`` is not passed
 NVME_PATH_ENV = "LIGHTSPEED_NVME_PATH"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config.choices import AUTO, OFFLOAD_TARGETS, check_zero_stage
-from lightspeed.core.zero.config.errors import DeepSpeedConfigError
 
 
 def _checked_size(name: str, value: int | float | str) -> int | str:

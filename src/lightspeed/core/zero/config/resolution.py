@@ -13,9 +13,9 @@ import math
 import warnings
 from typing import Any
 
+from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config import activation
 from lightspeed.core.zero.config.choices import AUTO
-from lightspeed.core.zero.config.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config.facts import BF16_PRECISIONS, FP16_PRECISIONS, TrainingFacts, front_end_in_prose
 from lightspeed.core.zero.config.known_keys import deepspeed_attr
 from lightspeed.core.zero.config.validation import validate_keys

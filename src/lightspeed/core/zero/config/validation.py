@@ -10,9 +10,10 @@ import difflib
 from collections.abc import Iterator
 from typing import Any
 
+from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config.activation import section_problems
 from lightspeed.core.zero.config.choices import OFFLOAD_TARGETS, ZERO_STAGES
-from lightspeed.core.zero.config.errors import DeepSpeedConfigError, problems_error
+from lightspeed.core.zero.config.errors import problems_error
 from lightspeed.core.zero.config.facts import front_end_in_prose
 from lightspeed.core.zero.config.known_keys import Section, deepspeed_attr, top_level_section
 

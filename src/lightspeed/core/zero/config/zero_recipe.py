@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config import activation
 from lightspeed.core.zero.config.choices import AUTO, check_zero_stage, offload_target
-from lightspeed.core.zero.config.errors import DeepSpeedConfigError, problems_error
+from lightspeed.core.zero.config.errors import problems_error
 from lightspeed.core.zero.config.loading import config_or_environment, load_user_config
 from lightspeed.core.zero.config.merging import merge_configs
 from lightspeed.core.zero.config.nvme import resolve_nvme_path

@@ -2,7 +2,6 @@
 option that fits a machine. Plain PyTorch; no Lightning imports."""
 
 from lightspeed.core.common.sizes import GIB, format_gib, format_short, format_size
-from lightspeed.core.errors import MemoryPlanError
 from lightspeed.core.zero.planner.accounting import (
     ZERO_OPTIONS,
     Accounting,
@@ -48,7 +47,6 @@ __all__ = [
     "ZeroOption",
     "estimate_all",
     "estimate_option",
-    "MemoryPlanError",
     "count_parameters",
     "counts_from_factory",
     "cuda_memory_free",

@@ -1,0 +1,93 @@
+"""A checkpoint directory every rank writes into, committed only when every rank succeeded.
+
+:class:`StagedCheckpointSaver` saves in three phases (rank 0 prepares the staging directory, every rank writes, rank 0
+commits), each followed by an agreement across ranks
+(:func:`~lightspeed.core.common.distributed.raise_on_every_rank`), so no rank waits for one that hit a full disk.
+Node-local checkpoints (``node=`` a :class:`~lightspeed.core.reliability.node_local.NodePosition`): every node's local
+rank 0 does what rank 0 does for its own directory; all nodes' commits carry one ``save_id``, and the save succeeded
+only when every node committed (see :mod:`lightspeed.core.reliability.node_local`). Built on the primitives of
+:mod:`lightspeed.core.reliability.staging`.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightspeed.core.common.distributed import global_rank, is_distributed, raise_on_every_rank
+from lightspeed.core.reliability.node_local import NODE_LOCAL_KEY, NodePosition, node_manifest
+from lightspeed.core.reliability.staging import commit, prepare_staging, remove_stale_staging, staging_path
+
+__all__ = ["StagedCheckpointSaver"]
+
+
+class StagedCheckpointSaver:
+    """Saves checkpoint directories through staging and commit; remembers whether stale staging was swept."""
+
+    def __init__(self) -> None:
+        self._swept_staging = False
+
+    def save(
+        self,
+        target: str | os.PathLike[str],
+        write: Callable[[Path], None],
+        *,
+        manifest: dict[str, Any],
+        extra_files: dict[str, str] | None = None,
+        node: NodePosition | None = None,
+    ) -> Path:
+        """Run ``write(staging_dir)`` on every rank and commit ``target`` once all succeeded (a collective: every rank
+        calls it with the same ``target``). ``extra_files`` (name -> text) and ``manifest`` are written by rank 0, or
+        with ``node`` (node-local storage) by every node's local rank 0 into its node's own ``target``."""
+        target = Path(target)
+        staging = staging_path(target)
+        is_writer = node.local_rank == 0 if node is not None else global_rank() == 0
+        if node is not None:
+            manifest = {**manifest, NODE_LOCAL_KEY: {"save_id": _agreed_save_id()}}
+
+        def prepare_phase() -> None:
+            if is_writer:
+                if not self._swept_staging:  # leftovers of saves that crashed in an earlier run
+                    remove_stale_staging(staging.parent)
+                    self._swept_staging = True
+                prepare_staging(target)
+
+        def commit_phase() -> None:
+            if is_writer:
+                for name, text in (extra_files or {}).items():
+                    (staging / name).write_text(text)
+                record = manifest
+                if node is not None:
+                    record = {
+                        **manifest,
+                        NODE_LOCAL_KEY: node_manifest(node, manifest[NODE_LOCAL_KEY]["save_id"], staging),
+                    }
+                commit(target, manifest=record)
+
+        what = f"Saving checkpoint {str(target)!r}"
+        for phase in (prepare_phase, lambda: write(staging), commit_phase):
+            error: BaseException | None = None
+            try:
+                phase()
+            except Exception as err:  # noqa: BLE001 - re-raised on this rank, reported on the others
+                error = err
+            raise_on_every_rank(
+                error,
+                what,
+                others_message=f"{what} failed on another rank (its own error says why); the previous checkpoint "
+                "is untouched.",
+            )
+        return target
+
+
+def _agreed_save_id() -> str:
+    """A random id for one save, the same on every rank (rank 0's)."""
+    import torch.distributed as dist
+
+    ids = [uuid.uuid4().hex]
+    if is_distributed():
+        dist.broadcast_object_list(ids, src=0)
+    return ids[0]
