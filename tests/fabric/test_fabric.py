@@ -339,6 +339,10 @@ def test_load_full_weights_fills_the_sharded_model_and_its_master_copies(cases: 
         f"{partial!r}\n  extra.weight: not in the model\nLoad the weights of this model, or pass strict=False to load "
         "the matching tensors only.",
     }
+    # a requested entry the weights file lacks: Fabric's own error under strict loading, none with strict=False
+    assert meta["missing_key_strict"]["type"] == "KeyError"
+    assert "The requested state contains a key 'step' that does not exist" in meta["missing_key_strict"]["message"]
+    assert meta["missing_key_lenient"] == {"type": None, "message": None}
 
 
 @pytest.mark.parametrize("name", RESUME_NAMES)

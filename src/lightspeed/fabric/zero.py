@@ -40,7 +40,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.fabric.strategies.deepspeed import _get_deepspeed_engines_from_state, _validate_state_keys
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
@@ -773,6 +773,9 @@ class ZeroFabricStrategy(
                     f"{target!r} holds no model weights: expected them under {model_key!r} (as `fabric.save` writes "
                     "them), under 'state_dict' (a Lightning checkpoint), or a plain state dict of tensors."
                 )
+        # as Fabric's own load: with strict, every other entry of `state` must be in the file (named if not)
+        others = [name for name, value in state.items() if value is not engine and not isinstance(value, Optimizer)]
+        _validate_keys_for_strict_loading(others, checkpoint, strict)
         missing, unexpected = load_full_state_dict(
             engine.module,
             weights,

@@ -524,11 +524,30 @@ def test_preset_explicit_sizes_and_pin_memory():
             dict(stage=2, reduce_bucket_size=2.5),
             "reduce_bucket_size must be a positive whole number of elements or 'auto', got 2.5.",
         ),
+        (
+            dict(stage=3, param_persistence_threshold=-1),
+            "param_persistence_threshold must be a whole number of elements >= 0 or 'auto', got -1.",
+        ),
     ],
 )
 def test_preset_errors(kwargs, message):
     with pytest.raises(DeepSpeedConfigError, match=re.escape(message)):
         zero_preset(**kwargs)
+
+
+def test_param_persistence_threshold_zero_partitions_every_parameter():
+    # DeepSpeed's own value for "keep no parameter whole", as accepted through config=; resolution keeps it
+    config = zero_preset(stage=3, param_persistence_threshold=0)
+    assert config["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    facts = TrainingFacts(
+        world_size=2,
+        micro_batch_size=2,
+        accumulate_grad_batches=1,
+        gradient_clip_val=None,
+        precision="32-true",
+        hidden_size=32,
+    )
+    assert resolve_config(config, facts)["zero_optimization"]["stage3_param_persistence_threshold"] == 0
 
 
 # ------------------------------------------------------------------------------------------------ merge_configs

@@ -310,9 +310,10 @@ def scenario_full(name: str, out: Path) -> tuple[dict, dict]:
     for label, file in (("fabric", "fabric.ckpt"), ("plain", "plain.pt"), ("export", "export")):
         net = make_net(seed=0)
         model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01))
-        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+        # only Fabric's layout holds "step"; the others are weights alone
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer, **({"step": 0} if label == "fabric" else {})}
         fabric.load(folder / file, state)
-        meta[label] = {"step": state["step"]}
+        meta[label] = {"step": state.get("step")}
         weights.update({f"{label}.loaded.{k}": v for k, v in weights_of(model).items()})
         fabric.backward(nn.functional.mse_loss(model(x[rows]), y[rows]), model=model)
         optimizer.step()
@@ -325,6 +326,11 @@ def scenario_full(name: str, out: Path) -> tuple[dict, dict]:
         fabric.load(folder / "partial.ckpt", {"model": model}, strict=False)
     meta["partial_warnings"] = [str(w.message) for w in caught if "lightspeed" in str(w.message)]
     meta["partial_strict"] = error_of(lambda: fabric.load(folder / "partial.ckpt", {"model": model}))
+    # strict (the default): a requested entry the file lacks is an error naming it, before anything is loaded
+    meta["missing_key_strict"] = error_of(lambda: fabric.load(folder / "plain.pt", {"model": model, "step": 0}))
+    meta["missing_key_lenient"] = error_of(
+        lambda: fabric.load(folder / "plain.pt", {"model": model, "step": 0}, strict=False)
+    )
     return meta, weights
 
 

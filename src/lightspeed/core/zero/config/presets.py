@@ -8,14 +8,16 @@ from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config.choices import AUTO, OFFLOAD_TARGETS, check_zero_stage
 
 
-def _checked_size(name: str, value: int | float | str) -> int | str:
-    """'auto' or a positive element count; whole floats such as 5e8 are accepted (and made ints) as DeepSpeed does."""
+def _checked_size(name: str, value: int | float | str, zero_allowed: bool = False) -> int | str:
+    """'auto' or a positive element count (``zero_allowed``: 0 too); whole floats such as 5e8 are accepted (and made
+    ints) as DeepSpeed does."""
     if value == AUTO:
         return AUTO
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise DeepSpeedConfigError(f"{name} must be a positive whole number of elements or 'auto', got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero_allowed else 1):
+        kind = "a whole number of elements >= 0" if zero_allowed else "a positive whole number of elements"
+        raise DeepSpeedConfigError(f"{name} must be {kind} or 'auto', got {value!r}.")
     return value
 
 
@@ -72,7 +74,10 @@ def zero_preset(
     reduce_bucket_size = _checked_size("reduce_bucket_size", reduce_bucket_size)
     allgather_bucket_size = _checked_size("allgather_bucket_size", allgather_bucket_size)
     prefetch_bucket_size = _checked_size("prefetch_bucket_size", prefetch_bucket_size)
-    param_persistence_threshold = _checked_size("param_persistence_threshold", param_persistence_threshold)
+    # 0 is DeepSpeed's "partition every parameter, however small"
+    param_persistence_threshold = _checked_size(
+        "param_persistence_threshold", param_persistence_threshold, zero_allowed=True
+    )
     if sub_group_size == AUTO:
         sub_group_size = None  # nothing to derive it from: DeepSpeed's default
     if sub_group_size is not None:
