@@ -439,6 +439,11 @@ def test_two_optimizers_and_clip_by_value_are_refused(cases: Path, name: str) ->
     assert mismatch["type"] == "DeepSpeedConfigError"
     assert 'bf16.enabled=true in the DeepSpeed config, but Fabric(precision="32-true")' in mismatch["message"]
     assert "Trainer" not in mismatch["message"]
+    assert errors["float64_parameters"]["type"] == "DeepSpeedConfigError"
+    assert errors["float64_parameters"]["message"].startswith(
+        "The model has parameters ZeRO cannot train as one process does: '0.weight', '0.bias', '2.weight', '2.bias' "
+        "are float64, but ZeRO trains float32 parameters"
+    )
 
 
 def test_keyword_the_fabric_strategy_does_not_take() -> None:

@@ -120,6 +120,17 @@ def test_two_optimizers(setup_errors) -> None:
     )
 
 
+def test_float64_and_scalar_parameters_are_refused_before_they_are_cast(setup_errors) -> None:
+    assert setup_errors["float64_parameter"].startswith(
+        "DeepSpeedConfigError: The model has parameters ZeRO cannot train as one process does: 'net.0.bias' is "
+        "float64, but ZeRO trains float32 parameters"
+    )
+    assert setup_errors["scalar_parameter"].startswith(
+        "DeepSpeedConfigError: The model has parameters ZeRO cannot train as one process does: 'logit_scale' is a "
+        "0-dimensional parameter, which DeepSpeed cannot broadcast"
+    )
+
+
 def test_offloaded_optimizer_without_cpu_implementation_runs_as_it_is(setup_errors) -> None:
     assert setup_errors["sgd_offload"] == "no error"
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from lightning.fabric.plugins import Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.fabric.strategies.deepspeed import _get_deepspeed_engines_from_state, _validate_state_keys
@@ -91,6 +92,7 @@ from lightspeed.core.zero.engine import (
     save_zero_checkpoint,
 )
 from lightspeed.core.zero.generation import keep_generation_in_step
+from lightspeed.core.zero.parameter_checks import check_parameters_for_zero
 from lightspeed.core.zero.runtime import check_precision_supported, export_deepspeed_accelerator, zero_device_kind
 from lightspeed.core.zero.schedulable import make_schedulable
 from lightspeed.core.zero.weights import load_full_state_dict
@@ -213,6 +215,21 @@ def _inside_the_window(engine: Any) -> Iterator[None]:
         set_deepspeed_boundary(engine, True)
 
 
+def _check_parameters_before_conversion(precision: Precision) -> None:
+    """Make ``precision.convert_module`` (Fabric calls it in ``fabric.setup`` before the strategy sees the module)
+    check the parameters first: a float64 parameter is still float64 there, not yet cast to float32."""
+    convert = precision.convert_module
+    if getattr(convert, "_lightspeed_checked", False):
+        return
+
+    def convert_module(module: Module) -> Module:
+        check_parameters_for_zero(module)
+        return convert(module)
+
+    convert_module._lightspeed_checked = True  # type: ignore[attr-defined]
+    precision.convert_module = convert_module  # type: ignore[method-assign]
+
+
 class ZeroFabricStrategy(
     ZeroConfigProperties, ProcessGroupMixin, ZeroModelsMixin, SeveralModelsMixin, DeepSpeedStrategy
 ):
@@ -304,6 +321,18 @@ class ZeroFabricStrategy(
             activation_checkpointing_policy=recipe_of_models.tuning.policy,
         )
         self._init_several_models(recipe_of_models.for_model)
+
+    @property
+    @override
+    def precision(self) -> Precision:
+        return DeepSpeedStrategy.precision.fget(self)  # type: ignore[attr-defined]
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        if precision is not None:
+            _check_parameters_before_conversion(precision)
+        DeepSpeedStrategy.precision.fset(self, precision)  # type: ignore[attr-defined]
 
     def _init_lightning(
         self,

@@ -69,6 +69,7 @@ from lightspeed.core.zero.engine import (
     save_zero_checkpoint,
 )
 from lightspeed.core.zero.generation import keep_generation_in_step
+from lightspeed.core.zero.parameter_checks import check_parameters_for_zero
 from lightspeed.core.zero.runtime import (
     check_precision_supported,
     export_deepspeed_accelerator,
@@ -396,6 +397,12 @@ class ZeroStrategy(
         if message is not None:
             rank_zero_info(message)
         return optimizer, scheduler
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        # before Lightning's precision plugin casts the module: a float64 parameter is still float64 here
+        check_parameters_for_zero(self._module())
+        super().setup(trainer)
 
     @override
     def _setup_model_and_optimizer(

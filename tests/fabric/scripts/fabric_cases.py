@@ -277,6 +277,10 @@ def scenario_errors(name: str, out: Path) -> tuple[dict, None]:
         opt = torch.optim.SGD(encoder.parameters(), lr=0.1)
         result["deepcopy_under_init_module"] = error_of(lambda: fabric.setup(encoder, opt))
 
+    fabric = make_fabric(name)
+    wide = make_net().double()  # float64 parameters: refused before Fabric's precision casts them to float32
+    result["float64_parameters"] = error_of(lambda: fabric.setup(wide, torch.optim.SGD(wide.parameters(), lr=0.1)))
+
     strategy = lightspeed.fabric.ZeroFabricStrategy(stage=2, config={"bf16": {"enabled": True}})
     result["precision_mismatch"] = error_of(lambda: make_fabric(name, precision="32-true", strategy=strategy))
     return result, None

@@ -38,12 +38,33 @@ class SparseAdamModule(RegressionModule):
         return torch.optim.SparseAdam(self.parameters(), lr=1e-3)
 
 
+class Float64Module(RegressionModule):
+    """A parameter kept in float64 on purpose (refused at setup, before any forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0].bias = torch.nn.Parameter(self.net[0].bias.detach().double())
+
+
+class ScalarParameterModule(RegressionModule):
+    """A 0-dimensional parameter (as CLIP's logit_scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        return self.net(x) * self.logit_scale
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     results = {
         "two_optimizers": attempt("zero2", RegressionModule(optimizer="two")),
         "sgd_offload": attempt("zero2_offload", RegressionModule(optimizer="sgd")),
         "sparse_adam_offload": attempt("zero2_offload", SparseAdamModule()),
+        "float64_parameter": attempt("zero2", Float64Module()),
+        "scalar_parameter": attempt("zero3", ScalarParameterModule()),
         "mismatch": attempt(
             ZeroStrategy(stage=2, config={"gradient_accumulation_steps": 8, "gradient_clipping": 0.5}),
             RegressionModule(),

@@ -1,0 +1,68 @@
+"""Parameters ZeRO cannot train as one process does are refused before anything is cast or built, each named with
+the fix: float64 (cast to float32 or lower without a word) and 0-dimensional (DeepSpeed's broadcast fails)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightspeed.core.errors import DeepSpeedConfigError
+from lightspeed.core.zero.parameter_checks import check_parameters_for_zero
+
+FLOAT64 = (
+    "{names} {verb} float64, but ZeRO trains float32 parameters (with bf16/fp16 copies under mixed precision): {they} "
+    "would be cast without a word and train unlike one process. Make {them} float32 in the model (`.float()`), or "
+    "train the model with a strategy that keeps float64 (ddp)."
+)
+SCALAR = (
+    "'logit_scale' is a 0-dimensional parameter, which DeepSpeed cannot broadcast (it fails with 'self.dim() cannot "
+    "be 0 to view Float as Byte'). Give each one element: `nn.Parameter(torch.tensor([2.0]))` instead of "
+    "`torch.tensor(2.0)` (it broadcasts the same in arithmetic)."
+)
+PREFIX = "The model has parameters ZeRO cannot train as one process does: "
+
+
+def test_float32_and_one_element_parameters_pass() -> None:
+    model = nn.Linear(3, 2)
+    model.scale = nn.Parameter(torch.tensor([2.0]))
+    check_parameters_for_zero(model)
+
+
+def test_a_float64_parameter_is_named() -> None:
+    model = nn.Linear(3, 2)
+    model.bias = nn.Parameter(model.bias.detach().double())
+    with pytest.raises(DeepSpeedConfigError) as raised:
+        check_parameters_for_zero(model)
+    assert str(raised.value) == PREFIX + FLOAT64.format(names="'bias'", verb="is", they="it", them="it")
+
+
+def test_many_float64_parameters_are_listed_up_to_five() -> None:
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(4))).double()
+    with pytest.raises(DeepSpeedConfigError) as raised:
+        check_parameters_for_zero(model)
+    names = "'0.weight', '0.bias', '1.weight', '1.bias', '2.weight' and 3 more"
+    assert str(raised.value) == PREFIX + FLOAT64.format(names=names, verb="are", they="they", them="them")
+
+
+def test_a_scalar_parameter_is_named_also_when_zero3_partitioned_it() -> None:
+    model = nn.Linear(3, 2)
+    model.logit_scale = nn.Parameter(torch.tensor(2.0))
+    with pytest.raises(DeepSpeedConfigError) as raised:
+        check_parameters_for_zero(model)
+    assert str(raised.value) == PREFIX + SCALAR
+    partitioned = nn.Module()
+    partitioned.logit_scale = nn.Parameter(torch.empty(0))  # a ZeRO-3 partition: flat, its full shape aside
+    partitioned.logit_scale.ds_shape = torch.Size([])
+    with pytest.raises(DeepSpeedConfigError, match="'logit_scale' is a 0-dimensional parameter"):
+        check_parameters_for_zero(partitioned)
+
+
+def test_both_problems_in_one_error() -> None:
+    model = nn.Linear(3, 2).double()
+    model.logit_scale = nn.Parameter(torch.tensor(2.0))
+    with pytest.raises(DeepSpeedConfigError) as raised:
+        check_parameters_for_zero(model)
+    names = "'weight', 'bias'"
+    wide = FLOAT64.format(names=names, verb="are", they="they", them="them")
+    assert str(raised.value) == PREFIX + wide + " " + SCALAR
