@@ -131,6 +131,16 @@ def test_float64_and_scalar_parameters_are_refused_before_they_are_cast(setup_er
     )
 
 
+def test_a_weight_decay_split_by_partition_shapes_is_refused(setup_errors) -> None:
+    assert setup_errors["shape_split_under_zero3"] == (
+        "DeepSpeedConfigError: Param group 0 of AdamW has weight_decay=0.1 but no parameters, while 2 parameter(s) of "
+        "two or more dimensions ('net.0.weight', 'net.2.weight') are in groups without weight decay. The model was "
+        "built as ZeRO-3 partitions (in `configure_model` or under `fabric.init_module()`), so `p.dim()` and `p.shape` "
+        "see a flat partition, not the parameter: split by the full shape, `len(getattr(p, 'ds_shape', p.shape)) >= "
+        "2`, or by name."
+    )
+
+
 def test_offloaded_optimizer_without_cpu_implementation_runs_as_it_is(setup_errors) -> None:
     assert setup_errors["sgd_offload"] == "no error"
 

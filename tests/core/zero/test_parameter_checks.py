@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightspeed.core.errors import DeepSpeedConfigError
-from lightspeed.core.zero.parameter_checks import check_parameters_for_zero
+from lightspeed.core.zero.parameter_checks import check_parameters_for_zero, check_shape_split_groups
 
 FLOAT64 = (
     "{names} {verb} float64, but ZeRO trains float32 parameters (with bf16/fp16 copies under mixed precision): {they} "
@@ -66,3 +66,41 @@ def test_both_problems_in_one_error() -> None:
     names = "'weight', 'bias'"
     wide = FLOAT64.format(names=names, verb="are", they="they", them="them")
     assert str(raised.value) == PREFIX + wide + " " + SCALAR
+
+
+def _partitioned_mlp() -> nn.Module:
+    """Two linear layers as ZeRO-3 leaves them after building under its init context: flat, empty partitions, each
+    with its full shape in ``ds_shape``."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    for param in model.parameters():
+        param.ds_shape = param.shape
+        param.data = torch.empty(0)
+    return model
+
+
+def _nanogpt_groups(model: nn.Module, dims: object = lambda p: p.dim()) -> list[dict]:
+    decay = [p for p in model.parameters() if dims(p) >= 2]
+    no_decay = [p for p in model.parameters() if dims(p) < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def test_a_weight_decay_split_by_the_partitions_shape_is_refused() -> None:
+    model = _partitioned_mlp()
+    optimizer = torch.optim.AdamW(_nanogpt_groups(model), lr=1e-3)  # p.dim() is 1 for every partition
+    with pytest.raises(DeepSpeedConfigError) as raised:
+        check_shape_split_groups(optimizer, model)
+    assert str(raised.value) == (
+        "Param group 0 of AdamW has weight_decay=0.1 but no parameters, while 2 parameter(s) of two or more "
+        "dimensions ('0.weight', '1.weight') are in groups without weight decay. The model was built as ZeRO-3 "
+        "partitions (in `configure_model` or under `fabric.init_module()`), so `p.dim()` and `p.shape` see a flat "
+        "partition, not the parameter: split by the full shape, `len(getattr(p, 'ds_shape', p.shape)) >= 2`, or by "
+        "name."
+    )
+
+
+def test_a_split_by_the_full_shape_and_unpartitioned_models_pass() -> None:
+    model = _partitioned_mlp()
+    full = torch.optim.AdamW(_nanogpt_groups(model, lambda p: len(p.ds_shape)), lr=1e-3)
+    check_shape_split_groups(full, model)
+    whole = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))  # not partitioned: p.dim() is the real one
+    check_shape_split_groups(torch.optim.AdamW(_nanogpt_groups(whole), lr=1e-3), whole)

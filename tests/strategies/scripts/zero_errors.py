@@ -57,6 +57,23 @@ class ScalarParameterModule(RegressionModule):
         return self.net(x) * self.logit_scale
 
 
+class NanoGPTSplitModule(RegressionModule):
+    """nanoGPT's weight-decay split by `p.dim()`, on a model built in configure_model (ZeRO-3 partitions there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.net
+
+    def configure_model(self) -> None:
+        self.net = torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.Tanh(), torch.nn.Linear(37, 5))
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=1e-3)
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     results = {
@@ -65,6 +82,7 @@ def main() -> None:
         "sparse_adam_offload": attempt("zero2_offload", SparseAdamModule()),
         "float64_parameter": attempt("zero2", Float64Module()),
         "scalar_parameter": attempt("zero3", ScalarParameterModule()),
+        "shape_split_under_zero3": attempt("zero3", NanoGPTSplitModule()),
         "mismatch": attempt(
             ZeroStrategy(stage=2, config={"gradient_accumulation_steps": 8, "gradient_clipping": 0.5}),
             RegressionModule(),

@@ -29,6 +29,7 @@ from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
 from lightspeed.core.reliability.staging import MODELS_MANIFEST_KEY
 from lightspeed.core.zero.config import config_offloads_optimizer, config_stage, describe_config
 from lightspeed.core.zero.cpu_optimizer import prepare_offloaded_optimizer, retarget_lr_scheduler
+from lightspeed.core.zero.parameter_checks import check_shape_split_groups
 from lightspeed.core.zero.runtime import (
     async_io_problem,
     clear_stale_build_locks,
@@ -112,6 +113,7 @@ def initialize_engine(
                 f"The optimizer given with {type(model).__name__} trains {foreign} parameter(s) that are not the "
                 "model's: build the optimizer from this model's parameters (`torch.optim.AdamW(model.parameters())`)."
             )
+        check_shape_split_groups(optimizer, model)
     # the parameters an optimizer trains: the client's, or the one the config's "optimizer" section describes
     trains = optimizer is not None or isinstance(config.get("optimizer"), dict)
     engine, deepspeed_optimizer, _, scheduler = deepspeed.initialize(

@@ -3,7 +3,10 @@
 * float64: Lightning's DeepSpeed precision plugin casts the module to float32 under ``"32-true"`` and DeepSpeed casts
   it to bf16/fp16 under mixed precision, so a float64 parameter would silently train in another precision;
 * 0-dimensional (a scalar such as CLIP's ``logit_scale``): DeepSpeed's first broadcast views every parameter as
-  bytes, which a 0-dim tensor cannot be, and fails with a message that names neither the parameter nor a remedy.
+  bytes, which a 0-dim tensor cannot be, and fails with a message that names neither the parameter nor a remedy;
+* param groups split by shape over ZeRO-3 partitions (nanoGPT's ``p.dim() >= 2`` weight-decay split in
+  ``configure_optimizers`` for a model built in ``configure_model``): a partition is flat, so every parameter lands
+  in the no-decay group and the decay group stays empty, silently.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from torch import nn
 
 from lightspeed.core.errors import DeepSpeedConfigError
 
-__all__ = ["check_parameters_for_zero"]
+__all__ = ["check_parameters_for_zero", "check_shape_split_groups"]
 
 
 def _listed(names: list[str]) -> str:
@@ -45,4 +48,30 @@ def check_parameters_for_zero(module: nn.Module) -> None:
     if problems:
         raise DeepSpeedConfigError(
             "The model has parameters ZeRO cannot train as one process does: " + " ".join(problems)
+        )
+
+
+def check_shape_split_groups(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    """Raise a :class:`DeepSpeedConfigError` when ``optimizer`` has a param group with weight decay but no parameters
+    while ZeRO-3 partitions of two or more dimensions sit in groups without weight decay: the mark of a split by
+    ``p.dim()``/``p.shape``, which see the flat partition, not the parameter."""
+    groups = optimizer.param_groups
+    empty = [index for index, group in enumerate(groups) if not group["params"] and group.get("weight_decay", 0)]
+    if not empty:
+        return
+    names = {id(param): name for name, param in module.named_parameters()}
+    undecayed = [
+        names.get(id(param), "?")
+        for group in groups
+        if not group.get("weight_decay", 0)
+        for param in group["params"]
+        if len(getattr(param, "ds_shape", ())) >= 2
+    ]
+    if undecayed:
+        raise DeepSpeedConfigError(
+            f"Param group {empty[0]} of {type(optimizer).__name__} has weight_decay={groups[empty[0]]['weight_decay']} "
+            f"but no parameters, while {len(undecayed)} parameter(s) of two or more dimensions ({_listed(undecayed)}) "
+            "are in groups without weight decay. The model was built as ZeRO-3 partitions (in `configure_model` or "
+            "under `fabric.init_module()`), so `p.dim()` and `p.shape` see a flat partition, not the parameter: split "
+            "by the full shape, `len(getattr(p, 'ds_shape', p.shape)) >= 2`, or by name."
         )
