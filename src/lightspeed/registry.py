@@ -6,6 +6,8 @@
 * the same ZeRO names, ``zero_auto`` and ``ddp_exact`` in Lightning Fabric's registry
   (:func:`lightspeed.fabric.register_fabric_strategies`);
 * the accelerator: ``accelerator="xla"`` becomes lightspeed's :class:`~lightspeed.plugins.XLAAccelerator`;
+* the exit clean-up: a gloo default process group, lightspeed's or another's, is destroyed while the interpreter is
+  still whole (:func:`~lightspeed.core.reliability.process_group.release_groups_at_exit`);
 * the precision plugin: an ``accelerator="xla"`` run gets lightspeed's :class:`~lightspeed.plugins.XLAPrecision`
   and an XLA strategy (:mod:`lightspeed.strategies.xla_routing`), and Lightning's TPU probe no longer calls the
   TPU metadata server off TPUs.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from lightning.pytorch.accelerators import AcceleratorRegistry
 
+from lightspeed.core.reliability.process_group import register_exit_cleanup
 from lightspeed.core.zero.runtime import use_prebuilt_deepspeed_ops
 from lightspeed.fabric.registration import register_fabric_strategies
 from lightspeed.plugins.accelerators.xla import XLAAccelerator, quiet_lightning_tpu_probe
@@ -31,6 +34,7 @@ def register_all() -> None:
     """Register lightspeed's strategies (Trainer and Fabric), accelerator and precision routing with Lightning
     (idempotent)."""
     use_prebuilt_deepspeed_ops()  # before DeepSpeed builds anything: the venv's prebuilt ops, not a rebuild
+    register_exit_cleanup()  # gloo groups (lightspeed's or Lightning's ddp beside a lightspeed callback) end cleanly
     register_trainer_strategies()
     register_fabric_strategies()
     AcceleratorRegistry.register("xla", XLAAccelerator, description=XLAAccelerator.__name__, override=True)

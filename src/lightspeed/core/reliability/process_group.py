@@ -15,7 +15,8 @@ store write at that moment. lightspeed therefore stops and joins the heartbeat a
 an ``atexit`` hook, which runs while the interpreter is still whole (and frees the groups that only garbage still
 references, see :func:`_free_unreachable_groups`); not at the end of a run, since the training engine
 kept for evaluation, ZeRO-3 partitioned modules and the user's own ``torch.distributed`` calls after ``fit`` (even a
-failed one) still use it. A group the user created is never touched.
+failed one) still use it. A group someone else created is never touched before exit; at exit, once ``import
+lightspeed`` has run, a gloo one is destroyed the same way (:func:`release_groups_at_exit`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ __all__ = [
     "group_is_initialized",
     "init_process_group",
     "lightspeed_process_group",
+    "register_exit_cleanup",
+    "release_groups_at_exit",
     "restart_prefix",
     "set_position",
     "take_ownership",
@@ -61,11 +64,29 @@ def group_is_initialized() -> bool:
 
 def take_ownership() -> None:
     """Record that lightspeed created the default process group (it destroys it at the latest at exit)."""
-    global _owned, _hook_registered
+    global _owned
     _owned = True
+    register_exit_cleanup()
+
+
+def register_exit_cleanup() -> None:
+    """Run :func:`release_groups_at_exit` when the interpreter exits (idempotent; ``import lightspeed`` calls it)."""
+    global _hook_registered
     if not _hook_registered:
-        atexit.register(destroy_owned_group)
+        atexit.register(release_groups_at_exit)
         _hook_registered = True
+
+
+def release_groups_at_exit() -> None:
+    """At interpreter exit, while it is still whole: lightspeed's own group as :func:`destroy_owned_group` does, and
+    a gloo default group someone else created (Lightning's ``ddp`` beside a lightspeed callback) destroyed too, with
+    the garbage that still holds groups collected, so no gloo worker thread is left for finalization (see
+    :func:`_free_unreachable_groups`). Another backend's group is left alone: destroying an NCCL group can wait for
+    peers that are gone."""
+    destroy_owned_group()
+    if group_is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+        _free_unreachable_groups()
 
 
 def destroy_owned_group() -> None:
