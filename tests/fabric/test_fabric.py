@@ -426,8 +426,10 @@ def test_two_optimizers_and_clip_by_value_are_refused(cases: Path, name: str) ->
     errors = _meta(cases, f"errors_{name}")
     assert errors["two_optimizers"] == {
         "type": "DeepSpeedConfigError",
-        "message": "ZeRO strategies train with exactly one optimizer, but `fabric.setup` got 2 optimizers. Use one "
-        "optimizer with several param groups (each group can have its own lr and weight_decay).",
+        "message": "ZeRO strategies train one optimizer per model, but `fabric.setup` got 2 optimizers. For one "
+        "model, use one optimizer with several param groups (each group can have its own lr and weight_decay). For "
+        "several models each with its own optimizer (a GAN's generator and discriminator), set each up with its own "
+        "optimizer: `fabric.setup(generator, opt_g)`, `fabric.setup(discriminator, opt_d)`.",
     }
     assert errors["clip_by_value"] == {
         "type": "DeepSpeedConfigError",

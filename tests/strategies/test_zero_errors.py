@@ -114,9 +114,12 @@ def setup_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def test_two_optimizers(setup_errors) -> None:
-    assert setup_errors["two_optimizers"].startswith(
-        "DeepSpeedConfigError: ZeRO strategies train with exactly one optimizer, but `configure_optimizers` returned "
-        "several optimizers. Use one optimizer with several param groups"
+    assert setup_errors["two_optimizers"] == (
+        "DeepSpeedConfigError: ZeRO strategies train one optimizer per model, but `configure_optimizers` returned "
+        "several optimizers. For one model, use one optimizer with several param groups (each group can have its own "
+        "lr and weight_decay). For several models each with its own optimizer (a GAN's generator and discriminator), "
+        "give each its own engine: `ZeroStrategy(models=['generator', 'discriminator'])` with the attributes that "
+        "hold them."
     )
 
 

@@ -106,6 +106,11 @@ if TYPE_CHECKING:
 
 __all__ = ["ConfigOptimizer", "ZeroFabricStrategy", "config_optimizer", "named_arguments", "unknown_keywords_error"]
 
+#: how this front end trains several models, each with its own optimizer (for the one-optimizer error)
+_SEVERAL_MODELS = (
+    "set each up with its own optimizer: `fabric.setup(generator, opt_g)`, `fabric.setup(discriminator, opt_d)`"
+)
+
 
 class ConfigOptimizer:
     """Stands for the optimizer the DeepSpeed config's ``"optimizer"`` section describes (see
@@ -573,7 +578,7 @@ class ZeroFabricStrategy(
         self, module: Module, optimizers: list[Optimizer], scheduler: Any | None
     ) -> tuple[DeepSpeedEngine, list[Optimizer], Any]:
         if len(optimizers) != 1:
-            raise one_optimizer_error(f"{len(optimizers)} optimizers", "`fabric.setup` got")
+            raise one_optimizer_error(f"{len(optimizers)} optimizers", "`fabric.setup` got", _SEVERAL_MODELS)
         self._final_config(module)
         optimizer: Optimizer | None
         if isinstance(optimizers[0], ConfigOptimizer):

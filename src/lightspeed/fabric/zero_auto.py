@@ -21,7 +21,13 @@ from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.engine import one_optimizer_error
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
 from lightspeed.core.zero.tuner import TrialParts, TuneRequest, copy_module_and_optimizer, first_batches
-from lightspeed.fabric.zero import ConfigOptimizer, ZeroFabricStrategy, named_arguments, unknown_keywords_error
+from lightspeed.fabric.zero import (
+    _SEVERAL_MODELS,
+    ConfigOptimizer,
+    ZeroFabricStrategy,
+    named_arguments,
+    unknown_keywords_error,
+)
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -170,7 +176,7 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[DeepSpeedEngine, list[Optimizer], Any]:
         if len(optimizers) != 1:
-            raise one_optimizer_error(f"{len(optimizers)} optimizers", "`fabric.setup` got")
+            raise one_optimizer_error(f"{len(optimizers)} optimizers", "`fabric.setup` got", _SEVERAL_MODELS)
         if self.chosen_option is None:
             self.choose(module)
             if self.tune_request.tune:

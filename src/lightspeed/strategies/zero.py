@@ -91,6 +91,11 @@ if TYPE_CHECKING:
 
 __all__ = ["ZeroStrategy"]
 
+#: how this front end trains several models, each with its own optimizer (for the one-optimizer error)
+_SEVERAL_MODELS = (
+    "give each its own engine: `ZeroStrategy(models=['generator', 'discriminator'])` with the attributes that hold them"
+)
+
 
 class ZeroStrategy(
     ZeroConfigProperties,
@@ -383,9 +388,13 @@ class ZeroStrategy(
             # Lightning's own message suggests manual optimization, which does not help under ZeRO either
             if "multiple optimizers" not in str(err):
                 raise
-            raise one_optimizer_error("several optimizers", "`configure_optimizers` returned") from None
+            raise one_optimizer_error(
+                "several optimizers", "`configure_optimizers` returned", _SEVERAL_MODELS
+            ) from None
         if len(optimizers) != 1:
-            raise one_optimizer_error(f"{len(optimizers)} optimizers", "`configure_optimizers` returned")
+            raise one_optimizer_error(
+                f"{len(optimizers)} optimizers", "`configure_optimizers` returned", _SEVERAL_MODELS
+            )
         if len(schedulers) > 1:
             raise DeepSpeedConfigError(
                 f"ZeRO strategies support one LR scheduler, but `configure_optimizers` returned {len(schedulers)}. "

@@ -67,12 +67,14 @@ def prepare_deepspeed_process(kind: str, uses_nvme: bool) -> None:
             raise DeepSpeedConfigError(f"NVMe offload cannot run here: {problem}")
 
 
-def one_optimizer_error(got: str, where: str) -> DeepSpeedConfigError:
-    """The error for anything but one optimizer: ``got`` what was passed (``"2 optimizers"``) ``where`` (e.g.
-    ``"`configure_optimizers` returned"``)."""
+def one_optimizer_error(got: str, where: str, several_models: str) -> DeepSpeedConfigError:
+    """The error for anything but one optimizer for one engine: ``got`` what was passed (``"2 optimizers"``)
+    ``where`` (e.g. ``"`configure_optimizers` returned"``); ``several_models``: how the front end gives several
+    models (a GAN's generator and discriminator) an engine and an optimizer each."""
     return DeepSpeedConfigError(
-        f"ZeRO strategies train with exactly one optimizer, but {where} {got}. Use one optimizer with several param "
-        "groups (each group can have its own lr and weight_decay)."
+        f"ZeRO strategies train one optimizer per model, but {where} {got}. For one model, use one optimizer with "
+        f"several param groups (each group can have its own lr and weight_decay). For several models each with its "
+        f"own optimizer (a GAN's generator and discriminator), {several_models}."
     )
 
 
