@@ -92,7 +92,7 @@ from lightspeed.core.zero.engine import (
     save_zero_checkpoint,
 )
 from lightspeed.core.zero.generation import keep_generation_in_step
-from lightspeed.core.zero.parameter_checks import check_parameters_for_zero
+from lightspeed.core.zero.parameter_checks import check_parameters_for_zero, check_partitions_kept
 from lightspeed.core.zero.runtime import check_precision_supported, export_deepspeed_accelerator, zero_device_kind
 from lightspeed.core.zero.schedulable import make_schedulable
 from lightspeed.core.zero.weights import load_full_state_dict
@@ -531,19 +531,9 @@ class ZeroFabricStrategy(
         self._resolve(None)
 
     def _check_sharded_init(self, module: Module) -> None:
-        """Refuse parameters that ``fabric.init_module()`` under ZeRO-3 left unpartitioned and empty: a module
-        deep-copied inside the context (``nn.TransformerEncoder`` copies its layer) loses DeepSpeed's partition."""
-        if not (self._sharded_init and self.zero_stage_3):
-            return
-        lost = [name for name, p in module.named_parameters() if not hasattr(p, "ds_id") and p.numel() == 0]
-        if lost:
-            shown = ", ".join(lost[:3]) + (f" and {len(lost) - 3} more" if len(lost) > 3 else "")
-            raise DeepSpeedConfigError(
-                f"Parameters {shown} were built under `fabric.init_module()` with ZeRO-3 but lost their partition: "
-                "a module deep-copied inside the context (e.g. the layers `nn.TransformerEncoder` clones) keeps "
-                "empty tensors. Build the model outside `fabric.init_module()` (ZeRO-3 then partitions it in "
-                "`fabric.setup`), or create each layer instead of copying one."
-            )
+        """Refuse parameters that ``fabric.init_module()`` under ZeRO-3 left unpartitioned and empty."""
+        if self._sharded_init and self.zero_stage_3:
+            check_partitions_kept(module, "`fabric.init_module()`", "outside `fabric.init_module()`")
 
     def _final_config(self, module: Module) -> None:
         self._check_sharded_init(module)

@@ -34,6 +34,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.compile import to_uncompiled
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
@@ -69,7 +70,7 @@ from lightspeed.core.zero.engine import (
     save_zero_checkpoint,
 )
 from lightspeed.core.zero.generation import keep_generation_in_step
-from lightspeed.core.zero.parameter_checks import check_parameters_for_zero
+from lightspeed.core.zero.parameter_checks import check_parameters_for_zero, check_partitions_kept
 from lightspeed.core.zero.runtime import (
     check_precision_supported,
     export_deepspeed_accelerator,
@@ -411,6 +412,8 @@ class ZeroStrategy(
     def setup(self, trainer: pl.Trainer) -> None:
         # before Lightning's precision plugin casts the module: a float64 parameter is still float64 here
         check_parameters_for_zero(self._module())
+        if self.zero_stage_3 and is_overridden("configure_model", self._module()):
+            check_partitions_kept(self._module(), "`configure_model`", "in `__init__`")
         super().setup(trainer)
 
     @override

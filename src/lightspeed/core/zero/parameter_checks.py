@@ -16,7 +16,7 @@ from torch import nn
 
 from lightspeed.core.errors import DeepSpeedConfigError
 
-__all__ = ["check_parameters_for_zero", "check_shape_split_groups"]
+__all__ = ["check_parameters_for_zero", "check_partitions_kept", "check_shape_split_groups"]
 
 
 def _listed(names: list[str]) -> str:
@@ -74,4 +74,21 @@ def check_shape_split_groups(optimizer: torch.optim.Optimizer, module: nn.Module
             "are in groups without weight decay. The model was built as ZeRO-3 partitions (in `configure_model` or "
             "under `fabric.init_module()`), so `p.dim()` and `p.shape` see a flat partition, not the parameter: split "
             "by the full shape, `len(getattr(p, 'ds_shape', p.shape)) >= 2`, or by name."
+        )
+
+
+def check_partitions_kept(module: nn.Module, built_under: str, instead: str) -> None:
+    """Raise a :class:`DeepSpeedConfigError` when parameters of ``module`` built as ZeRO-3 partitions lost their
+    partition (call it only for a model built under ``built_under``: ``configure_model`` or
+    ``fabric.init_module()``): a module deep-copied inside that context (``nn.TransformerEncoder`` clones its layer)
+    keeps empty tensors DeepSpeed knows nothing of, and the first forward fails deep inside DeepSpeed. ``instead``:
+    where to build the model so that ZeRO-3 partitions it itself."""
+    lost = [name for name, param in module.named_parameters() if not hasattr(param, "ds_id") and param.numel() == 0]
+    if lost:
+        shown = ", ".join(lost[:3]) + (f" and {len(lost) - 3} more" if len(lost) > 3 else "")
+        raise DeepSpeedConfigError(
+            f"Parameters {shown} were built under {built_under} with ZeRO-3 but lost their partition: a module "
+            "deep-copied inside it (e.g. the layers `nn.TransformerEncoder` clones) keeps empty tensors. Build the "
+            f"model {instead} (ZeRO-3 then partitions it when the engine is built), or create each layer instead of "
+            "copying one."
         )
