@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from lightspeed.core.common.distributed import global_rank, is_distributed, raise_on_every_rank
+from lightspeed.core.reliability import staging as atomic_dir  # by module: a test replaces its functions
 from lightspeed.core.reliability.node_local import NODE_LOCAL_KEY, NodePosition, node_manifest
-from lightspeed.core.reliability.staging import commit, prepare_staging, remove_stale_staging, staging_path
 
 __all__ = ["StagedCheckpointSaver"]
 
@@ -43,7 +43,7 @@ class StagedCheckpointSaver:
         calls it with the same ``target``). ``extra_files`` (name -> text) and ``manifest`` are written by rank 0, or
         with ``node`` (node-local storage) by every node's local rank 0 into its node's own ``target``."""
         target = Path(target)
-        staging = staging_path(target)
+        staging = atomic_dir.staging_path(target)
         is_writer = node.local_rank == 0 if node is not None else global_rank() == 0
         if node is not None:
             manifest = {**manifest, NODE_LOCAL_KEY: {"save_id": _agreed_save_id()}}
@@ -51,9 +51,9 @@ class StagedCheckpointSaver:
         def prepare_phase() -> None:
             if is_writer:
                 if not self._swept_staging:  # leftovers of saves that crashed in an earlier run
-                    remove_stale_staging(staging.parent)
+                    atomic_dir.remove_stale_staging(staging.parent)
                     self._swept_staging = True
-                prepare_staging(target)
+                atomic_dir.prepare_staging(target)
 
         def commit_phase() -> None:
             if is_writer:
@@ -65,7 +65,7 @@ class StagedCheckpointSaver:
                         **manifest,
                         NODE_LOCAL_KEY: node_manifest(node, manifest[NODE_LOCAL_KEY]["save_id"], staging),
                     }
-                commit(target, manifest=record)
+                atomic_dir.commit(target, manifest=record)
 
         what = f"Saving checkpoint {str(target)!r}"
         for phase in (prepare_phase, lambda: write(staging), commit_phase):
