@@ -7,7 +7,7 @@
   (:func:`lightspeed.fabric.register_fabric_strategies`);
 * the accelerator: ``accelerator="xla"`` becomes lightspeed's :class:`~lightspeed.plugins.XLAAccelerator`;
 * the exit clean-up: a gloo default process group, lightspeed's or another's, is destroyed while the interpreter is
-  still whole (:func:`~lightspeed.core.reliability.process_group.release_groups_at_exit`);
+  still whole (:func:`~lightspeed.core.reliability.process_group.release_other_gloo_group`);
 * the precision plugin: an ``accelerator="xla"`` run gets lightspeed's :class:`~lightspeed.plugins.XLAPrecision`
   and an XLA strategy (:mod:`lightspeed.strategies.xla_routing`), and Lightning's TPU probe no longer calls the
   TPU metadata server off TPUs.

@@ -16,7 +16,7 @@ an ``atexit`` hook, which runs while the interpreter is still whole (and frees t
 references, see :func:`_free_unreachable_groups`); not at the end of a run, since the training engine
 kept for evaluation, ZeRO-3 partitioned modules and the user's own ``torch.distributed`` calls after ``fit`` (even a
 failed one) still use it. A group someone else created is never touched before exit; at exit, once ``import
-lightspeed`` has run, a gloo one is destroyed the same way (:func:`release_groups_at_exit`).
+lightspeed`` has run, a gloo one is destroyed the same way (:func:`release_other_gloo_group`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ __all__ = [
     "init_process_group",
     "lightspeed_process_group",
     "register_exit_cleanup",
-    "release_groups_at_exit",
+    "release_other_gloo_group",
     "restart_prefix",
     "set_position",
     "take_ownership",
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 _owned = False
 _hook_registered = False
+_other_hook_registered = False
 
 
 def group_is_initialized() -> bool:
@@ -64,27 +65,30 @@ def group_is_initialized() -> bool:
 
 def take_ownership() -> None:
     """Record that lightspeed created the default process group (it destroys it at the latest at exit)."""
-    global _owned
+    global _owned, _hook_registered
     _owned = True
-    register_exit_cleanup()
-
-
-def register_exit_cleanup() -> None:
-    """Run :func:`release_groups_at_exit` when the interpreter exits (idempotent; ``import lightspeed`` calls it)."""
-    global _hook_registered
     if not _hook_registered:
-        atexit.register(release_groups_at_exit)
+        # registered now, when lightspeed creates its group: the exit hooks registered later (DeepSpeed's, the
+        # user's) run before it, the ones of the imports before after it, as they always did
+        atexit.register(destroy_owned_group)
         _hook_registered = True
 
 
-def release_groups_at_exit() -> None:
-    """At interpreter exit, while it is still whole: lightspeed's own group as :func:`destroy_owned_group` does, and
-    a gloo default group someone else created (Lightning's ``ddp`` beside a lightspeed callback) destroyed too, with
-    the garbage that still holds groups collected, so no gloo worker thread is left for finalization (see
-    :func:`_free_unreachable_groups`). Another backend's group is left alone: destroying an NCCL group can wait for
-    peers that are gone."""
-    destroy_owned_group()
-    if group_is_initialized() and dist.get_backend() == "gloo":
+def register_exit_cleanup() -> None:
+    """Run :func:`release_other_gloo_group` when the interpreter exits (idempotent; ``import lightspeed`` calls it)."""
+    global _other_hook_registered
+    if not _other_hook_registered:
+        atexit.register(release_other_gloo_group)
+        _other_hook_registered = True
+
+
+def release_other_gloo_group() -> None:
+    """At interpreter exit, while it is still whole: a gloo default group that lightspeed did not create (Lightning's
+    ``ddp`` beside a lightspeed callback) is destroyed as lightspeed's own is (:func:`destroy_owned_group`), with the
+    garbage that still holds groups collected, so no gloo worker thread is left for finalization (see
+    :func:`_free_unreachable_groups`). lightspeed's own group is gone by then; another backend's group is left alone:
+    destroying an NCCL group can wait for peers that are gone."""
+    if not _owned and group_is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()
         _free_unreachable_groups()
 
