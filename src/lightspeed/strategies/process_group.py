@@ -5,18 +5,25 @@ placed before a Lightning ``DDPStrategy`` or ``DeepSpeedStrategy``:
   for DeepSpeed's groups) and Lightning or DeepSpeed adopts it;
 * ``on_train_start``: the heartbeat publishes the step this rank is at;
 * ``on_exception``: a collective that timed out becomes a :class:`~lightspeed.errors.CollectiveTimeoutError`
-  naming the ranks that stopped answering.
+  naming the ranks that stopped answering, one that another rank's exit ended a
+  :class:`~lightspeed.errors.RankLostError`;
+* Lightning's SIGTERM handler keeps that error: torchrun sends SIGTERM to the remaining workers right after one
+  failed, and the handler's broadcast on the broken group would otherwise raise gloo's bare "Connection closed by
+  peer" in place of the error being handled (:func:`_sigterm_notifier_keeping_the_error`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from lightspeed.core.reliability import hang_report
 from lightspeed.core.reliability import process_group as _process_group
 
 if TYPE_CHECKING:
@@ -27,6 +34,8 @@ else:
     _ParallelStrategyBase = object
 
 __all__ = ["ProcessGroupMixin"]
+
+log = logging.getLogger(__name__)
 
 
 class ProcessGroupMixin(_ParallelStrategyBase):
@@ -50,6 +59,12 @@ class ProcessGroupMixin(_ParallelStrategyBase):
             before_creating=self._set_main_address,
         ):
             yield
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None:  # before the Trainer registers its signal handlers (after the strategy's set-up)
+            connector = trainer._signal_connector
+            if not getattr(connector._sigterm_notifier_fn, "keeps_the_error", False):  # once per Trainer
+                connector._sigterm_notifier_fn = _sigterm_notifier_keeping_the_error(connector._sigterm_notifier_fn)
 
     @override
     def setup_distributed(self) -> None:  # type: ignore[misc]  # DDPStrategy's and DeepSpeedStrategy's
@@ -70,3 +85,22 @@ class ProcessGroupMixin(_ParallelStrategyBase):
         explained = _process_group.explain_timeout(exception)
         if explained is not None:
             raise explained from exception
+
+
+def _sigterm_notifier_keeping_the_error(notifier: Callable[[int, FrameType | None], Any]) -> Callable[..., None]:
+    """Lightning's SIGTERM notifier (it broadcasts rank 0's 'stop' to the others), made harmless on a group a rank
+    has left: a signal handler's exception replaces whatever the main thread is doing, so the broadcast's "Connection
+    closed by peer", raised while this rank handles the error of the collective the rank that left broke, would
+    reach the user instead of lightspeed's :class:`~lightspeed.errors.RankLostError` naming that rank. Any other
+    error of the notifier passes unchanged."""
+
+    def notifier_keeping_the_error(signum: int, frame: FrameType | None) -> None:
+        try:
+            notifier(signum, frame)
+        except Exception as error:
+            if not hang_report.is_peer_lost(error):
+                raise
+            log.warning("SIGTERM received after another rank left the job; the broadcast of the stop was skipped")
+
+    notifier_keeping_the_error.keeps_the_error = True  # type: ignore[attr-defined]
+    return notifier_keeping_the_error

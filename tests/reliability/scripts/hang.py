@@ -37,6 +37,12 @@ class StopRankOne(Callback):
             (self.out / "stopped_pid.txt").write_text(str(os.getpid()))  # the test kills it once rank 0 failed
             os.kill(os.getpid(), signal.SIGSTOP)
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if trainer.global_rank == 0 and self.how == "exits":
+            # torchrun's SIGTERM, sent once rank 1 ended, at the worst moment: while the error is being handled,
+            # before the strategy names it (Lightning's handler then broadcasts on the broken group)
+            os.kill(os.getpid(), signal.SIGTERM)
+
 
 class OneRankCollective(RegressionModule):
     """A user's own collective in ``predict_step``, on rank 0 only: the other rank never joins it."""
