@@ -8,12 +8,13 @@ The modules mirror :mod:`lightspeed.strategies` file for file (``zero``, ``zero_
 registers the names (:func:`register_fabric_strategies`).
 """
 
+from lightspeed.fabric.config_optimizer import config_optimizer
 from lightspeed.fabric.ddp_exact import DDPExactFabricStrategy
 from lightspeed.fabric.exact_accumulation import AccumulationStep, accumulate
 from lightspeed.fabric.last_checkpoint import last_checkpoint
 from lightspeed.fabric.registration import register_fabric_strategies
 from lightspeed.fabric.several_models import model_options
-from lightspeed.fabric.zero import ZeroFabricStrategy, config_optimizer
+from lightspeed.fabric.zero import ZeroFabricStrategy
 from lightspeed.fabric.zero_auto import ZeroAutoFabricStrategy
 
 __all__ = [

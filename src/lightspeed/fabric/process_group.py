@@ -12,27 +12,20 @@ before Lightning Fabric's ``DDPStrategy`` or ``DeepSpeedStrategy``; the Trainer'
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.nn import Module
 from typing_extensions import override
 
 from lightspeed.core.reliability import process_group as _process_group
-
-if TYPE_CHECKING:
-    from lightning.fabric.strategies import DDPStrategy
-
-    _DDPStrategyBase = DDPStrategy  # type-checked as the Fabric strategy it is mixed into
-else:
-    _DDPStrategyBase = object
+from lightspeed.fabric.mixin_bases import DDPStrategyBase
 
 __all__ = ["ProcessGroupMixin"]
 
 
-class ProcessGroupMixin(_DDPStrategyBase):
+class ProcessGroupMixin(DDPStrategyBase):
     """lightspeed's process group under Fabric's ``DDPStrategy`` or ``DeepSpeedStrategy``; mix in first."""
 
     _optimizer_steps = 0
@@ -40,8 +33,7 @@ class ProcessGroupMixin(_DDPStrategyBase):
     def _set_main_address(self) -> None:
         """``MASTER_ADDR``/``MASTER_PORT`` before the group is created."""
         assert self.cluster_environment is not None
-        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
-        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        _process_group.set_main_address(self.cluster_environment.main_address, self.cluster_environment.main_port)
 
     @contextmanager
     def _lightspeed_process_group(self) -> Iterator[None]:

@@ -24,7 +24,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightspeed.core.errors import DeepSpeedConfigError
-from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
 from lightspeed.core.zero import load_policy
 from lightspeed.core.zero.config.model_recipe import ModelOptions
 from lightspeed.core.zero.engine import save_models_checkpoint
@@ -33,13 +32,11 @@ from lightspeed.core.zero.several_models import (
     mark_model_options,
     model_options_of,
 )
+from lightspeed.fabric.mixin_bases import DeepSpeedStrategyBase
 
 if TYPE_CHECKING:
-    from lightning.fabric.strategies import DeepSpeedStrategy
+    from lightspeed.core.zero.session import ZeroSession
 
-    _DeepSpeedStrategyBase = DeepSpeedStrategy  # type-checked as the Lightning strategy it is mixed into
-else:
-    _DeepSpeedStrategyBase = object
 
 __all__ = ["SeveralModelsMixin", "model_options"]
 
@@ -57,12 +54,12 @@ def model_options(
     return mark_model_options(module, check_model_options(stage, offload_optimizer, offload_parameters))
 
 
-class SeveralModelsMixin(_DeepSpeedStrategyBase):
+class SeveralModelsMixin(DeepSpeedStrategyBase):
     """One engine per ``fabric.setup`` call, each with its model's own options; several-model checkpoints."""
 
     config: dict[str, Any]
     _recipe: dict[str, Any]
-    _saver: StagedCheckpointSaver
+    _session: ZeroSession
 
     def _init_several_models(self, recipe_for: Callable[[ModelOptions], dict[str, Any]] | None) -> None:
         """``recipe_for``: the strategy's recipe with one model's options (None: the strategy gives none)."""
@@ -108,7 +105,7 @@ class SeveralModelsMixin(_DeepSpeedStrategyBase):
         return {key: value for key, value in state.items() if isinstance(value, DeepSpeedEngine)}
 
     def _several_models_target(self, path: Any) -> str:
-        if self.config.get("checkpoint", {}).get("use_node_local_storage"):
+        if self._session.node_local_storage:
             raise DeepSpeedConfigError(
                 "Checkpoints of several models do not support node_local_storage=True yet: save to a shared "
                 "filesystem, or each model to its own path."
@@ -134,7 +131,7 @@ class SeveralModelsMixin(_DeepSpeedStrategyBase):
         _validate_state_keys(client_state)  # the keys DeepSpeed keeps for itself, as for one model
         client_state = self._convert_stateful_objects_in_state(client_state, filter={})
         save_models_checkpoint(
-            self._saver,
+            self._session.saver,
             trained,
             {key: self.model_configs.get(id(engine), self.config) for key, engine in trained.items()},
             target,

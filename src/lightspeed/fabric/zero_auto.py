@@ -17,17 +17,13 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightspeed.core.zero.auto_choice import ZeroAutoRequest
+from lightspeed.core.zero.config import resolve_config_with_notes
 from lightspeed.core.zero.engine import one_optimizer_error
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
-from lightspeed.core.zero.tuner import TrialParts, TuneRequest, copy_module_and_optimizer, first_batches
-from lightspeed.fabric.zero import (
-    _SEVERAL_MODELS,
-    ConfigOptimizer,
-    ZeroFabricStrategy,
-    named_arguments,
-    unknown_keywords_error,
-)
+from lightspeed.core.zero.tuner import TrialParts, copy_module_and_optimizer, first_batches, zero_auto_requests
+from lightspeed.fabric.config_optimizer import ConfigOptimizer
+from lightspeed.fabric.keywords import SEVERAL_MODELS, named_arguments, unknown_keywords_error
+from lightspeed.fabric.zero import ZeroFabricStrategy
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -76,9 +72,6 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         tune_micro_batches: Sequence[int] | None = None,
         **kwargs: Any,
     ) -> None:
-        self.tune_request = TuneRequest.checked(
-            tune, tune_steps, tune_options, tune_buckets, tune_cache, retune, tune_micro_batches
-        )
         if tune and (tune_batches is None or tune_loss is None):
             raise TypeError(
                 "ZeroAutoFabricStrategy(tune=True) measures training steps, but Fabric's strategy does not see the "
@@ -86,20 +79,11 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
                 "-> loss, as the loop computes it)."
             )
         self._tune_batches, self._tune_loss = tune_batches, tune_loss
-        self.request = ZeroAutoRequest.from_arguments(
-            safety_margin=safety_margin,
-            device_memory=device_memory,
-            host_memory=host_memory,
-            nvme_path=nvme_path,
-            optimizer_state_bytes=optimizer_state_bytes,
-            config=config,
-            kwargs=kwargs,
-            front_end="Fabric",
-        )
+        self.request, self.tune_request = zero_auto_requests(locals(), "Fabric")
         passed_on = set(named_arguments(ZeroFabricStrategy)) - _DECIDED_HERE
         unknown = {name: value for name, value in kwargs.items() if name not in passed_on}
         if unknown:
-            raise unknown_keywords_error(type(self).__name__, unknown)
+            raise unknown_keywords_error(type(self).__name__, unknown, named_arguments(ZeroFabricStrategy))
         self._init_lightning(
             self.request.user_config, activation_checkpointing_policy=self.request.tuning.policy, **kwargs
         )
@@ -134,7 +118,7 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         batches, loss = self._tune_batches, self._tune_loss
         trial = TrialParts(
             copy_model=lambda: copy_module_and_optimizer(module, optimizer),
-            resolve=lambda config: self._resolved(config, module)[0],
+            resolve=lambda config: resolve_config_with_notes(config, self._facts(module))[0],
             loss=lambda model, batch, index: loss(model, move_data_to_device(batch, self.root_device)),
             take_batches=lambda n, size: first_batches(batches, n, size),
             micro_batch=getattr(batches, "batch_size", None),
@@ -176,7 +160,7 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[DeepSpeedEngine, list[Optimizer], Any]:
         if len(optimizers) != 1:
-            raise one_optimizer_error(f"{len(optimizers)} optimizers", "`fabric.setup` got", _SEVERAL_MODELS)
+            raise one_optimizer_error(f"{len(optimizers)} optimizers", "`fabric.setup` got", SEVERAL_MODELS)
         if self.chosen_option is None:
             self.choose(module)
             if self.tune_request.tune:

@@ -11,23 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from typing_extensions import override
 
 from lightspeed.core.zero.hf_link import transformers_zero3
-
-if TYPE_CHECKING:
-    from lightning.fabric.strategies import DeepSpeedStrategy
-
-    _DeepSpeedStrategyBase = DeepSpeedStrategy  # type-checked as the Lightning strategy it is mixed into
-else:
-    _DeepSpeedStrategyBase = object
+from lightspeed.fabric.mixin_bases import DeepSpeedStrategyBase
 
 __all__ = ["ZeroModelsMixin"]
 
 
-class ZeroModelsMixin(_DeepSpeedStrategyBase):
+class ZeroModelsMixin(DeepSpeedStrategyBase):
     """Pretrained HuggingFace models built into ZeRO-3 partitions under ``fabric.init_module()``."""
 
     config: dict[str, Any]

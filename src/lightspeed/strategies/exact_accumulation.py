@@ -40,22 +40,15 @@ from typing_extensions import override
 from lightspeed.core.accumulation.exact import ExactAccumulator, distributed_sum, scale_gradients
 from lightspeed.core.common.batch import count_samples
 from lightspeed.core.zero.accumulation import scale_deepspeed_gradients_at_step, set_deepspeed_boundary
+from lightspeed.strategies.mixin_bases import DeepSpeedStrategyBase, StrategyBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
-
-    # The mixins are placed before a Lightning strategy in the bases; type-check them as that strategy.
-    _StrategyBase = Strategy
-    _DeepSpeedStrategyBase = DeepSpeedStrategy
-else:
-    _StrategyBase = object
-    _DeepSpeedStrategyBase = object
 
 __all__ = ["DeepSpeedExactAccumulationMixin", "ExactAccumulationMixin"]
 
 
-class ExactAccumulationMixin(_StrategyBase):
+class ExactAccumulationMixin(StrategyBase):
     """Makes ``accumulate_grad_batches`` produce the big-batch gradient; mix in before a Lightning ``Strategy``.
 
     Args:
@@ -185,7 +178,7 @@ class ExactAccumulationMixin(_StrategyBase):
 
 
 # ---------------------------------------------------------------------------------------------------------- DeepSpeed
-class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin, _DeepSpeedStrategyBase):
+class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin, DeepSpeedStrategyBase):
     """Exact accumulation for Lightning's ``DeepSpeedStrategy`` subclasses (the ZeRO family); mix in first.
 
     * Lightning's loop owns accumulation (``handles_gradient_accumulation`` is ``False``), so ``optimizer_step``,

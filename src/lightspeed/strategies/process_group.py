@@ -15,37 +15,29 @@ placed before a Lightning ``DDPStrategy`` or ``DeepSpeedStrategy``:
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from typing_extensions import override
 
 from lightspeed.core.reliability import hang_report
 from lightspeed.core.reliability import process_group as _process_group
-
-if TYPE_CHECKING:
-    from lightning.pytorch.strategies import ParallelStrategy
-
-    _ParallelStrategyBase = ParallelStrategy  # type-checked as the Lightning strategy it is mixed into
-else:
-    _ParallelStrategyBase = object
+from lightspeed.strategies.mixin_bases import ParallelStrategyBase
 
 __all__ = ["ProcessGroupMixin"]
 
 log = logging.getLogger(__name__)
 
 
-class ProcessGroupMixin(_ParallelStrategyBase):
+class ProcessGroupMixin(ParallelStrategyBase):
     """lightspeed's process group under a Lightning ``DDPStrategy`` or ``DeepSpeedStrategy``; mix in first."""
 
     def _set_main_address(self) -> None:
         """``MASTER_ADDR``/``MASTER_PORT`` (and for DeepSpeed the rank variables) before the group is created."""
         assert self.cluster_environment is not None
-        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
-        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        _process_group.set_main_address(self.cluster_environment.main_address, self.cluster_environment.main_port)
 
     @contextmanager
     def _lightspeed_process_group(self) -> Iterator[None]:

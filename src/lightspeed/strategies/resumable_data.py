@@ -22,19 +22,16 @@ from typing_extensions import override
 
 from lightspeed.core.reliability.last_checkpoint import describe_skipped, incomplete_checkpoints
 from lightspeed.core.reliability.resumable_sampler import ResumableDistributedSampler
+from lightspeed.strategies.mixin_bases import StrategyBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import Strategy
 
-    _StrategyBase = Strategy  # type-checked as the Lightning strategy it is mixed into
-else:
-    _StrategyBase = object
 
 __all__ = ["ResumableDataMixin", "make_resumable", "warn_about_skipped_checkpoints"]
 
 
-class ResumableDataMixin(_StrategyBase):
+class ResumableDataMixin(StrategyBase):
     """Resumable training dataloaders (:func:`make_resumable`) and, for a fit that starts fresh, a warning about the
     incomplete checkpoints ``ckpt_path="last"`` skipped; mix in before a Lightning strategy."""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
@@ -33,18 +33,12 @@ from lightspeed.core.zero.several_models import (
     without_training_sections,
 )
 from lightspeed.strategies._training_facts import collect_training_facts
-
-if TYPE_CHECKING:
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    _DeepSpeedStrategyBase = DeepSpeedStrategy  # type-checked as the Lightning strategy it is mixed into
-else:
-    _DeepSpeedStrategyBase = object
+from lightspeed.strategies.mixin_bases import DeepSpeedStrategyBase
 
 __all__ = ["SeveralModelsMixin"]
 
 
-class SeveralModelsMixin(_DeepSpeedStrategyBase):
+class SeveralModelsMixin(DeepSpeedStrategyBase):
     """One DeepSpeed engine per model named in ``models=`` (empty: Lightning's one engine for the whole module)."""
 
     _model_options: dict[str, ModelOptions]

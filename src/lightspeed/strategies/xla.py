@@ -22,11 +22,10 @@ import functools
 import itertools
 import queue
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.multiprocessing as mp
 from lightning.pytorch.plugins.precision.xla import XLAPrecision as _LightningXLAPrecision
-from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers.xla import _XLALauncher
 from lightning.pytorch.strategies.single_xla import SingleDeviceXLAStrategy
 from lightning.pytorch.strategies.xla import XLAStrategy
@@ -49,6 +48,7 @@ from lightspeed.core.xla.runtime import (
 )
 from lightspeed.plugins.precision.xla import XLAPrecision
 from lightspeed.strategies.exact_accumulation import ExactAccumulationMixin
+from lightspeed.strategies.mixin_bases import StrategyBase
 from lightspeed.strategies.resumable_data import ResumableDataMixin
 
 __all__ = ["SingleDeviceXLAExactStrategy", "XLAExactStrategy"]
@@ -167,13 +167,7 @@ def _default_precision() -> _LightningXLAPrecision:
     return XLAPrecision("32-true")
 
 
-if TYPE_CHECKING:
-    _StrategyBase = Strategy  # the mixin is only ever combined with Lightning's XLA strategies
-else:
-    _StrategyBase = object
-
-
-class _LightspeedXLAStrategyMixin(_StrategyBase):
+class _LightspeedXLAStrategyMixin(StrategyBase):  # only ever combined with Lightning's XLA strategies
     """What both strategies add to Lightning's: lightspeed's ``XLAPrecision`` as the default precision plugin, the
     bfloat16 check once the runtime runs, and the recompilation alarm.
 

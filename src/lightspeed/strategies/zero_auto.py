@@ -33,10 +33,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.config import resolve_config_with_notes
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
-from lightspeed.core.zero.tuner import TrialParts, TuneRequest, first_batches
+from lightspeed.core.zero.tuner import TrialParts, first_batches, zero_auto_requests
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies._tuning import copy_lightning_module, training_loss
 from lightspeed.strategies.zero import ZeroStrategy
@@ -98,18 +97,7 @@ class ZeroAutoStrategy(ZeroStrategy):
         tune_micro_batches: Sequence[int] | None = None,
         **kwargs: Any,
     ) -> None:
-        self.tune_request = TuneRequest.checked(
-            tune, tune_steps, tune_options, tune_buckets, tune_cache, retune, tune_micro_batches
-        )
-        self.request = ZeroAutoRequest.from_arguments(
-            safety_margin=safety_margin,
-            device_memory=device_memory,
-            host_memory=host_memory,
-            nvme_path=nvme_path,
-            optimizer_state_bytes=optimizer_state_bytes,
-            config=config,
-            kwargs=kwargs,
-        )
+        self.request, self.tune_request = zero_auto_requests(locals(), "Trainer")
         inspect.signature(ZeroStrategy).bind_partial(**kwargs)  # a misspelt argument is a TypeError naming it
         self._init_lightning(
             self.request.user_config, activation_checkpointing_policy=self.request.tuning.policy, **kwargs

@@ -23,19 +23,16 @@ from typing_extensions import override
 from lightspeed.core.zero.evaluation import gathered_for_evaluation
 from lightspeed.core.zero.generation import keep_generation_in_step
 from lightspeed.core.zero.hf_link import transformers_zero3
+from lightspeed.strategies.mixin_bases import DeepSpeedStrategyBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    _DeepSpeedStrategyBase = DeepSpeedStrategy  # type-checked as the Lightning strategy it is mixed into
-else:
-    _DeepSpeedStrategyBase = object
 
 __all__ = ["ZeroModelsMixin"]
 
 
-class ZeroModelsMixin(_DeepSpeedStrategyBase):
+class ZeroModelsMixin(DeepSpeedStrategyBase):
     """Pretrained HuggingFace models built into ZeRO-3 partitions, generation that keeps the ranks in step."""
 
     config: dict[str, Any]

@@ -46,6 +46,7 @@ __all__ = [
     "register_exit_cleanup",
     "release_other_gloo_group",
     "restart_prefix",
+    "set_main_address",
     "set_position",
     "take_ownership",
     "timeouts_explained",
@@ -146,6 +147,13 @@ HEARTBEAT_STORE_TIMEOUT = timedelta(seconds=20)
 def restart_prefix() -> str:
     """Store prefix of this launch attempt: ``TORCHELASTIC_RESTART_COUNT`` under torchrun, else ``0``."""
     return f"lightspeed/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def set_main_address(address: str, port: int) -> None:
+    """Where rank 0's store listens (``MASTER_ADDR``/``MASTER_PORT`` of the ``env://`` rendezvous), set before
+    :func:`init_process_group` from the front end's cluster environment."""
+    os.environ["MASTER_ADDR"] = address
+    os.environ["MASTER_PORT"] = str(port)
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout: timedelta | None) -> None:

@@ -34,6 +34,7 @@ from lightspeed.core.zero.config.choices import check_zero_stage, offload_target
 from lightspeed.core.zero.config.model_recipe import ModelOptions
 
 __all__ = [
+    "refuse_with_several_models",
     "assign_optimizers",
     "check_model_options",
     "engine_for_backward",
@@ -86,6 +87,17 @@ def parse_model_options(models: Mapping[str, Any] | Sequence[str] | None, argume
 
 
 _OPTIONS_ATTRIBUTE = "_lightspeed_zero_options"
+
+
+def refuse_with_several_models(options: Mapping[str, ModelOptions], argument: str, **given: Any) -> None:
+    """Refuse the arguments in ``given`` that are set (truthy) when ``options`` names several models: one engine
+    per model does not support them yet."""
+    refused = [name for name, value in given.items() if value] if options else []
+    if refused:
+        raise DeepSpeedConfigError(
+            f"{argument} cannot be combined with {', '.join(refused)} yet: train the models with one engine (leave "
+            f"out models=) or drop these arguments."
+        )
 
 
 def mark_model_options(module: nn.Module, options: ModelOptions) -> nn.Module:

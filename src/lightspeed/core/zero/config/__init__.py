@@ -14,7 +14,6 @@ from lightspeed.core.zero.config.merging import merge_configs
 from lightspeed.core.zero.config.model_introspection import find_hidden_size
 from lightspeed.core.zero.config.nvme import NVME_PATH_ENV, resolve_nvme_path
 from lightspeed.core.zero.config.presets import zero_preset
-from lightspeed.core.zero.config.properties import ZeroConfigProperties
 from lightspeed.core.zero.config.resolution import resolve_config, resolve_config_with_notes
 from lightspeed.core.zero.config.validation import validate_keys
 from lightspeed.core.zero.config.zero_recipe import (
@@ -31,7 +30,6 @@ from lightspeed.core.zero.config.zero_recipe import (
 __all__ = [
     "CONFIG_PATH_ENV",
     "config_or_environment",
-    "ZeroConfigProperties",
     "AUTO",
     "NVME_PATH_ENV",
     "OFFLOAD_TARGETS",

@@ -12,6 +12,7 @@ from lightspeed.core.zero.tuner.decision import (
     candidates_from_plan,
     micro_batch_choices,
     tune,
+    zero_auto_requests,
 )
 from lightspeed.core.zero.tuner.trials import (
     BUCKET_VARIANTS,
@@ -30,6 +31,7 @@ __all__ = [
     "TrialParts",
     "TrialSetup",
     "TuneRequest",
+    "zero_auto_requests",
     "TuneResult",
     "TuningCache",
     "TuningKey",

@@ -9,7 +9,7 @@ choice without clear evidence.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -305,3 +305,29 @@ class TrialParts:
     world_size: int
     precision: str
     accumulation: int = 1
+
+
+def zero_auto_requests(arguments: Mapping[str, Any], front_end: str) -> tuple[ZeroAutoRequest, TuneRequest]:
+    """``zero_auto``'s planner and tuner requests from a front end's constructor arguments (its ``locals()``: the
+    planner's and the tuner's keywords, ``config``, and ``kwargs``, the rest, which loses the tuning knobs), checked
+    the same for every front end."""
+    tune_request = TuneRequest.checked(
+        arguments["tune"],
+        arguments["tune_steps"],
+        arguments["tune_options"],
+        arguments["tune_buckets"],
+        arguments["tune_cache"],
+        arguments["retune"],
+        arguments["tune_micro_batches"],
+    )
+    request = ZeroAutoRequest.from_arguments(
+        safety_margin=arguments["safety_margin"],
+        device_memory=arguments["device_memory"],
+        host_memory=arguments["host_memory"],
+        nvme_path=arguments["nvme_path"],
+        optimizer_state_bytes=arguments["optimizer_state_bytes"],
+        config=arguments["config"],
+        kwargs=arguments["kwargs"],
+        front_end=front_end,
+    )
+    return request, tune_request

@@ -1,0 +1,337 @@
+"""One ZeRO run, whichever front end drives it (the Trainer's ``ZeroStrategy``, Fabric's ``ZeroFabricStrategy``, a
+Ray Train worker): :class:`ZeroSession` holds the DeepSpeed config in force and the compile request, makes the checks
+that must fail before any process starts, prepares each process, builds engines, writes checkpoints through a
+staging directory (node-local when asked) and does the step bookkeeping that DeepSpeed's ``engine.step()`` would.
+
+The front ends keep only what their framework decides: when each of these runs, and with which of its objects. The
+session knows nothing of Lightning; what it logs goes through the ``info`` function the front end gives it (its
+rank-zero logger).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightspeed.core.reliability.launched_world import check_launched_world, external_launcher
+from lightspeed.core.reliability.node_local import describe_position, node_local_path
+from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
+from lightspeed.core.zero import third_party_warnings
+from lightspeed.core.zero.accumulation import clip_norm_at_step, scale_deepspeed_gradients_at_step
+from lightspeed.core.zero.activation_checkpointing import apply_policy
+from lightspeed.core.zero.compile import (
+    CompileRequest,
+    check_compile_supported,
+    compile_engine,
+    prepare_zero3_for_compile,
+)
+from lightspeed.core.zero.config import TrainingFacts, describe_config, resolve_config_with_notes
+from lightspeed.core.zero.config.activation import Policy
+from lightspeed.core.zero.config.zero_recipe import (
+    config_offloads_optimizer,
+    config_stage,
+    config_uses_nvme,
+)
+from lightspeed.core.zero.engine import (
+    initialize_engine,
+    prepare_deepspeed_process,
+    prepare_optimizer,
+    save_zero_checkpoint,
+)
+from lightspeed.core.zero.runtime import check_precision_supported, export_deepspeed_accelerator
+
+__all__ = ["ZeroConfigProperties", "ZeroSession"]
+
+
+class ZeroSession:
+    """The state and the steps of one ZeRO run that do not depend on the front end.
+
+    Args:
+        config: the DeepSpeed config, ``"auto"`` values still in it (:meth:`resolve` fills them in).
+        compile: what ``engine.compile()`` is called with (None: the model is not compiled).
+        activation_checkpointing_policy: module classes whose forward is checkpointed in training.
+        node_local_storage: each node writes its own ranks' checkpoint files into its own directory.
+        exclude_frozen_parameters: leave frozen parameters out of checkpoints.
+        front_end: ``"Trainer"`` or ``"Fabric"``, for the messages that name the user's call.
+        info: the front end's rank-zero logger.
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        *,
+        compile: CompileRequest | None,
+        activation_checkpointing_policy: Policy | None,
+        node_local_storage: bool,
+        exclude_frozen_parameters: bool,
+        front_end: str,
+        info: Callable[[str], None],
+    ) -> None:
+        if node_local_storage:
+            config.setdefault("checkpoint", {})["use_node_local_storage"] = True
+        self.config = config
+        self.compile_request = compile
+        self.compiled_with: CompileRequest | None = None  # what the last engine was compiled with
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+        self.exclude_frozen_parameters = exclude_frozen_parameters
+        self.front_end = front_end
+        self.saver = StagedCheckpointSaver()
+        self._info = info
+        self._config_logged = False
+        self._step_restores: list[Callable[[], None]] = []  # per-step overrides, undone after the next step
+        self._pending_norm: torch.Tensor | None = None  # returned by clip_at_step, filled in by the next step
+        self._placement: tuple[str, int | None, int] | None = None  # set by start_process
+
+    @property
+    def node_local_storage(self) -> bool:
+        """Whether each node keeps its ranks' checkpoint files on its own disk (no shared filesystem)."""
+        return bool(self.config.get("checkpoint", {}).get("use_node_local_storage", False))
+
+    # ------------------------------------------------------------------ before any process starts, in each process
+    def check_before_launch(
+        self, device_kind: str, precision: str, environment: object, num_nodes: int, num_processes: int
+    ) -> None:
+        """What must fail before any process starts (precision, compilation, the launched world's layout), and the
+        environment every rank inherits (DeepSpeed's accelerator)."""
+        check_precision_supported(device_kind, precision)
+        if self.compile_request is not None:
+            check_compile_supported(self.compile_request, self.config, device_kind)
+        export_deepspeed_accelerator(device_kind)
+        check_launched_world(*external_launcher(environment), num_nodes, num_processes, front_end=self.front_end)
+
+    def start_process(self, device_kind: str, device_index: int | None, local_rank: int) -> None:
+        """In each process, before its process group exists: where its engines run (``device_index``: the CUDA
+        index, None on the CPU), DeepSpeed's accelerator and ops, and the filter of known third-party deprecation
+        floods (until :meth:`end_process`)."""
+        self._placement = (device_kind, device_index, local_rank)
+        third_party_warnings.install()
+        prepare_deepspeed_process(device_kind, config_uses_nvme(self.config))
+
+    def end_process(self) -> None:
+        """Undo :meth:`start_process`'s warning filter (the front end's teardown)."""
+        third_party_warnings.uninstall()
+
+    # ------------------------------------------------------------------ config
+    def resolve(self, config: dict[str, Any], facts: TrainingFacts) -> list[str]:
+        """Make ``config`` with its ``"auto"`` values resolved from ``facts`` the config in force; returns the notes
+        to log (:meth:`log_config`)."""
+        self.config, notes = resolve_config_with_notes(config, facts)
+        return notes
+
+    def log_config(self, notes: list[str]) -> None:
+        """Log the resolution ``notes`` and the config in force, once per session."""
+        if self._config_logged:
+            return
+        for note in notes:
+            self._info(f"lightspeed: {note}")
+        self._info(f"lightspeed: resolved DeepSpeed config\n{describe_config(self.config)}")
+        self._config_logged = True
+
+    # ------------------------------------------------------------------ torch.compile
+    def take_over_compile(self, request: CompileRequest, device_kind: str | None) -> None:
+        """A model compiled with ``torch.compile`` before the run: compiled by ``engine.compile()`` with ``request``
+        unless the strategy's own arguments asked for compilation (``device_kind`` None: not known yet)."""
+        if self.compile_request is None:
+            self.compile_request = request
+        if device_kind is not None:
+            check_compile_supported(self.compile_request, self.config, device_kind)
+
+    def prepare_compile(self, model: torch.nn.Module, config: dict[str, Any], device_kind: str) -> None:
+        """Before an engine is built: refuse what DeepSpeed cannot compile, mark ZeRO-3 leaf modules."""
+        if self.compile_request is None:
+            return
+        check_compile_supported(self.compile_request, config, device_kind)
+        marked = prepare_zero3_for_compile(model, config)
+        if marked:
+            self._info(
+                f"lightspeed: ZeRO-3 leaf modules for the compiled forward (all their parameters gathered on entry): "
+                f"{', '.join(marked)}"
+            )
+
+    def compile(self, engine: Any, request: CompileRequest | None = None) -> None:
+        """``engine.compile()`` with ``request`` (default: the session's; nothing when there is none)."""
+        request = request or self.compile_request
+        if request is None:
+            return
+        self._info(f"lightspeed: {request.source} runs as DeepSpeed's {request.describe()}")
+        compile_engine(engine, request)
+        self.compiled_with = request
+
+    # ------------------------------------------------------------------ engines
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> torch.optim.Optimizer:
+        """The optimizer the config trains with (DeepSpeed's CPU Adam/Adagrad under optimizer offload)."""
+        optimizer, message = prepare_optimizer(optimizer, scheduler, self.config)
+        if message is not None:
+            self._info(message)
+        return optimizer
+
+    def build_engine(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+        *,
+        config: dict[str, Any] | None = None,
+        training: bool = True,
+    ) -> tuple[Any, Any, Any]:
+        """``(engine, optimizer, scheduler)`` for ``model`` under ``config`` (default: the config in force), on this
+        process's device: the activation checkpointing policy applied first when ``training``, compiled when asked."""
+        if self._placement is None:
+            raise RuntimeError("ZeroSession.build_engine runs in a process set up by start_process")
+        device_kind, device_index, local_rank = self._placement
+        config = self.config if config is None else config
+        if training:
+            message = apply_policy(model, self.activation_checkpointing_policy)
+            if message is not None:
+                self._info(message)
+        self.prepare_compile(model, config, device_kind)
+        engine, deepspeed_optimizer, deepspeed_scheduler = initialize_engine(
+            config, model, optimizer, scheduler, device_index, local_rank
+        )
+        self.compile(engine)
+        return engine, deepspeed_optimizer, deepspeed_scheduler
+
+    def inference_config(self) -> dict[str, Any]:
+        """The config of an engine that only runs the forward pass (evaluation without training first): the
+        precision and, under ZeRO-3, the partitioning (with its NVMe settings) of the config in force."""
+        config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        for key in ("fp16", "bf16"):
+            if key in self.config:
+                config[key] = self.config[key]
+        if config_stage(self.config) == 3:
+            config["zero_allow_untested_optimizer"] = self.config.get("zero_allow_untested_optimizer", True)
+            config["zero_optimization"] = self.config["zero_optimization"]
+            if "aio" in self.config:
+                config["aio"] = self.config["aio"]
+        return config
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_path(self, path: str, broadcast: Callable[[Any], Any]) -> str:
+        """Rank 0's ``path`` (a collective, through the front end's ``broadcast``), as this node's own path under
+        node-local storage."""
+        return self.node_path(str(broadcast(str(path))), broadcast)
+
+    def node_path(self, path: str, broadcast: Callable[[Any], Any]) -> str:
+        """Rank 0's ``path`` as this node's own path under node-local storage (a collective there), else ``path``."""
+        return node_local_path(path, broadcast(os.getcwd())) if self.node_local_storage else path
+
+    def save(
+        self,
+        engine: Any,
+        path: str,
+        client_state: dict[str, Any],
+        *,
+        broadcast: Callable[[Any], Any],
+        world_size: int,
+        node_rank: int,
+        local_rank: int,
+        progress: dict[str, Any],
+    ) -> None:
+        """Save ``engine`` and ``client_state`` through DeepSpeed into a staging directory, committed only when every
+        rank finished (on node-local storage, this node's part, with its position)."""
+        node = describe_position(node_rank, local_rank) if self.node_local_storage else None
+        save_zero_checkpoint(
+            self.saver,
+            engine,
+            self.checkpoint_path(path, broadcast),
+            client_state,
+            world_size=world_size,
+            config=self.config,
+            exclude_frozen_parameters=self.exclude_frozen_parameters,
+            manifest_extra=progress,
+            node=node,
+        )
+
+    # ------------------------------------------------------------------ a step the front end makes itself
+    def clip_at_step(self, engine: Any, max_norm: float) -> torch.Tensor:
+        """Clip the gradient norm to ``max_norm`` inside ``engine``'s next optimizer step; returns the tensor the
+        step fills in with the total norm before clipping (NaN until then)."""
+        self._step_restores.append(clip_norm_at_step(engine, max_norm))
+        if self._pending_norm is None:
+            self._pending_norm = torch.full((), float("nan"))
+        return self._pending_norm
+
+    def scale_at_step(self, engine: Any, factor: float) -> None:
+        """Multiply the gradients ``engine``'s next optimizer step uses by ``factor`` (before clipping)."""
+        self._step_restores.append(scale_deepspeed_gradients_at_step(engine, factor))
+
+    @property
+    def step_pending(self) -> bool:
+        """True while a per-step override (window factor, clipping) waits for the next optimizer step."""
+        return bool(self._step_restores)
+
+    def undo_step_overrides(self) -> None:
+        """After the optimizer step (also a failed one): the clipping and scaling asked for it end."""
+        restores, self._step_restores = self._step_restores, []
+        for restore in reversed(restores):
+            restore()
+
+    def count_step(self, engine: Any, optimizer: Any, config_scheduler: Any) -> None:
+        """What ``engine.step()`` does and a front end that steps the ZeRO optimizer itself bypasses: the measured
+        gradient norm into the engine (``engine.get_global_grad_norm()``) and into the tensor :meth:`clip_at_step`
+        returned; the step counted (a skipped one too, on fp16 overflow) with its samples, so checkpoints and a
+        resumed engine know it; ``config_scheduler`` (the config's, or None) stepped unless the step was skipped."""
+        measured = getattr(optimizer, "_global_grad_norm", None)  # DeepSpeed's ZeRO optimizer's
+        pending, self._pending_norm = self._pending_norm, None
+        if measured is not None:
+            if engine is not None:
+                engine._global_grad_norm = float(measured)
+            if pending is not None:
+                pending.fill_(float(measured))
+        if engine is None:
+            return
+        if getattr(optimizer, "overflow", False):
+            engine.skipped_steps += 1
+        elif config_scheduler is not None:
+            config_scheduler.step()
+        engine.global_steps += 1
+        engine.global_samples += engine.train_batch_size()
+
+
+class ZeroConfigProperties:
+    """Mixed into a ZeRO front end whose run is ``self._session``; ``config`` is the session's DeepSpeed config
+    (``"auto"`` values resolved at set-up), which Lightning's own strategy code reads and sets as ``self.config``."""
+
+    _session: ZeroSession
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The DeepSpeed config in force (the session's)."""
+        return self._session.config
+
+    @config.setter
+    def config(self, config: dict[str, Any]) -> None:
+        self._session.config = config
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage of the config in force."""
+        return config_stage(self.config)
+
+    @property
+    def uses_nvme(self) -> bool:
+        """Whether anything is offloaded to NVMe."""
+        return config_uses_nvme(self.config)
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """True when the optimizer step runs on the CPU/NVMe (DeepSpeed's CPU optimizers)."""
+        return config_offloads_optimizer(self.config)
+
+    @property
+    def resolved_config(self) -> dict[str, Any]:
+        """The DeepSpeed config in force (all ``"auto"`` values resolved once the processes are set up)."""
+        return self.config
+
+    @property
+    def node_local_storage(self) -> bool:
+        """Whether each node keeps its ranks' checkpoint files on its own disk (no shared filesystem)."""
+        return self._session.node_local_storage
+
+    @property
+    def activation_checkpointing_policy(self) -> Policy | None:
+        """The module classes whose forward is checkpointed in training (None: none)."""
+        return self._session.activation_checkpointing_policy
