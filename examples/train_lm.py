@@ -1,8 +1,9 @@
 """The main job: train a small transformer language model with a lightspeed ZeRO strategy, evaluate it with exact
 distributed metrics, export the weights to safetensors and reload them into a fresh model.
 
-Runs on 2 CPU processes with ``zero3_offload`` by default, on all GPUs when CUDA is present. The training text is
-generated here (a small grammar of arithmetic facts and sentences), so nothing is downloaded.
+Runs on 2 CPU processes with ``zero3_offload`` by default, on 2 GPUs when CUDA is present (``--devices N`` for
+another count, ``--devices 0`` for all of them). The training text is generated here (a small grammar of arithmetic
+facts and sentences), so nothing is downloaded.
 
     python examples/train_lm.py                     # defaults: zero3_offload, 2 CPU processes
     python examples/train_lm.py --strategy zero2 --devices 2 --epochs 3 --out out/

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lightspeed.cli.main import main
-from lightspeed.core.zero.config import NVME_PATH_ENV, TrainingFacts, resolve_config, zero_preset
+from lightspeed.core.zero.config import NVME_PATH_ENV, ZERO_PRESETS, TrainingFacts, resolve_config, zero_preset
 
 
 def _config(capsys, *argv: str) -> dict:
@@ -131,3 +131,20 @@ def test_bad_input(capsys, argv, message):
     assert main(["config", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lightspeed config: error: ") and message in err
+
+
+def test_the_help_names_every_registered_zero_strategy(capsys):
+    """The names come from the presets the strategies are registered with, so the help cannot miss one."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    registered = {
+        name
+        for name, entry in StrategyRegistry.items()
+        if name.startswith("zero") and name != "zero_auto" and "lightspeed" in str(entry.get("strategy"))
+    }
+    assert registered == set(ZERO_PRESETS)
+    with pytest.raises(SystemExit):
+        main(["config", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    listed = help_text.split("strategy name: ", 1)[1].split(" options:")[0]
+    assert [name.strip() for name in listed.split(",")] == list(ZERO_PRESETS)

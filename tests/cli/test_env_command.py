@@ -8,6 +8,7 @@ import platform
 
 from lightspeed.cli.env_command import strategies
 from lightspeed.cli.main import main
+from lightspeed.core.xla.runtime import torch_xla_install_hint
 from lightspeed.core.zero.config import NVME_PATH_ENV
 
 
@@ -55,6 +56,8 @@ def test_strategy_verdicts_follow_the_ops(monkeypatch):
     )
     assert strategies(None, versions)["zero2"] == "DeepSpeed is not installed (pip install deepspeed)"
     assert "needs torch_xla" in strategies(broken_adam, versions)["xla_exact"]
+    # the one install instruction every message gives (never the extra alone, which pins another torch)
+    assert torch_xla_install_hint() in strategies(broken_adam, versions)["xla_exact"]
     all_usable = {"cpu_adam": usable, "async_io": usable}
     monkeypatch.delenv(NVME_PATH_ENV, raising=False)
     assert strategies(all_usable, versions)["zero3_nvme"] == (

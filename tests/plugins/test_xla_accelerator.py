@@ -52,8 +52,9 @@ def test_accelerator_xla_without_torch_xla_says_what_to_install() -> None:
     version = torch.__version__.split("+")[0]
     expected = (
         "accelerator='xla' needs the `torch_xla` package, which is not installed. torch_xla must match your torch "
-        f"version exactly: with torch {version} run `pip install torch_xla=={version}`, or install the tested pair "
-        "`pip install torch==2.9.0 torch_xla==2.9.0`."
+        f"version exactly: with torch {version} run `pip install torch_xla=={version}`, or create an environment with "
+        "the tested pair (torch 2.9.0 and torch_xla 2.9.0: `bash scripts/setup_xla.sh`, or `pip install torch==2.9.0 "
+        "'lightspeed[xla]'`)."
     )
     with pytest.raises(ModuleNotFoundError, match=f"^{re.escape(expected)}$"):
         _quiet_trainer(accelerator="xla", devices=1)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from _support.launch import REPO_ROOT, run_torchrun
 from _support.models import RegressionModule, make_regression_data
+from lightspeed.core.errors import MemoryPlanError
 from lightspeed.core.zero.tuner import TuneRequest, first_batches, micro_batch_choices, rebatched
 from lightspeed.core.zero.tuner.decision import TUNE_MARGIN
 from lightspeed.strategies.zero_auto import ZeroAutoStrategy
@@ -117,6 +118,9 @@ def test_tuning_arguments_are_checked_when_the_strategy_is_made() -> None:
     with pytest.raises(TypeError, match=r"^tune_options is a list of option names, e.g. \['zero2'\]"):
         ZeroAutoStrategy(tune=True, tune_options="zero2")
     assert TuneRequest.checked(True, 2, ["zero1"], False, None, False).options == ("zero1",)
+    # a name zero_auto cannot choose (a strategy name the planner has no option for) fails here, not during fit
+    with pytest.raises(MemoryPlanError, match=r"^tune_options names zero1_offload, which zero_auto does not know; "):
+        ZeroAutoStrategy(tune=True, tune_options=["zero1", "zero1_offload"])
 
 
 def test_micro_batch_sizes_are_measured_and_a_chosen_one_rebatches_the_run_like_an_untuned_run(

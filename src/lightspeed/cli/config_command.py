@@ -49,8 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "name",
-        help="strategy name, e.g. zero1, zero2, zero2_offload, zero3, zero3_offload_optimizer, zero3_offload, "
-        "zero3_nvme",
+        help=f"strategy name: {', '.join(ZERO_PRESETS)}",
     )
     parser.add_argument("--micro-batch-size", type=int, help="per-device batch size of the train dataloader")
     parser.add_argument("--accumulate", type=int, help="Trainer(accumulate_grad_batches=...)")

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from lightspeed.cli.usage import EXIT_OK
+from lightspeed.core.xla.runtime import torch_xla_install_hint
 from lightspeed.core.zero.config import NVME_PATH_ENV
 from lightspeed.core.zero.runtime import (
     TORCH_EXTENSIONS_ENV,
@@ -162,9 +163,7 @@ def strategies(ops: dict[str, dict[str, Any]] | None, versions: dict[str, str | 
         problem: str | None = None
         if "xla" in module:
             problem = (
-                None
-                if versions.get("torch_xla")
-                else "needs torch_xla (pip install 'lightspeed[xla]') and a TPU/XLA device"
+                None if versions.get("torch_xla") else f"needs torch_xla and an XLA device; {torch_xla_install_hint()}"
             )
         elif "zero" in module:
             if ops is None:

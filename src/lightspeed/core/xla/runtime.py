@@ -18,6 +18,7 @@ __all__ = [
     "device_supports_bf16",
     "pjrt_device_count",
     "pjrt_device_type",
+    "torch_xla_install_hint",
     "torch_xla_installed",
     "torch_xla_missing_message",
 ]
@@ -26,14 +27,20 @@ __all__ = [
 TESTED_TORCH_XLA_VERSION = "2.9.0"
 
 
-def torch_xla_missing_message() -> str:
-    """What to install when ``accelerator="xla"`` is asked for without torch_xla."""
+def torch_xla_install_hint() -> str:
+    """How to install torch_xla, the one instruction every message gives: it must match torch's version exactly."""
     torch_version = torch.__version__.split("+")[0]
     return (
-        "accelerator='xla' needs the `torch_xla` package, which is not installed. torch_xla must match your torch "
-        f"version exactly: with torch {torch_version} run `pip install torch_xla=={torch_version}`, or install the "
-        f"tested pair `pip install torch=={TESTED_TORCH_XLA_VERSION} torch_xla=={TESTED_TORCH_XLA_VERSION}`."
+        f"torch_xla must match your torch version exactly: with torch {torch_version} run `pip install "
+        f"torch_xla=={torch_version}`, or create an environment with the tested pair (torch {TESTED_TORCH_XLA_VERSION} "
+        f"and torch_xla {TESTED_TORCH_XLA_VERSION}: `bash scripts/setup_xla.sh`, or `pip install "
+        f"torch=={TESTED_TORCH_XLA_VERSION} 'lightspeed[xla]'`)"
     )
+
+
+def torch_xla_missing_message() -> str:
+    """What to install when ``accelerator="xla"`` is asked for without torch_xla."""
+    return f"accelerator='xla' needs the `torch_xla` package, which is not installed. {torch_xla_install_hint()}."
 
 
 def torch_xla_installed() -> bool:

@@ -19,7 +19,7 @@ from lightspeed.core.common.distributed import global_rank, is_distributed
 from lightspeed.core.errors import MemoryPlanError
 from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.config import AUTO
-from lightspeed.core.zero.planner import Plan
+from lightspeed.core.zero.planner import ZERO_OPTIONS, Plan
 from lightspeed.core.zero.tuner.cache import CachedDecision, TuningCache, TuningKey
 from lightspeed.core.zero.tuner.trials import (
     BUCKET_VARIANTS,
@@ -78,14 +78,8 @@ def candidates_from_plan(
     every ``(micro-batch, accumulation)`` of ``batchings`` (:func:`micro_batch_choices`); raises
     :class:`MemoryPlanError` when an allowed name is unknown or none of them fits. The first candidate is the
     planner's choice as the run would train it."""
-    names = [verdict.estimate.option.name for verdict in plan.verdicts]
     if allowed is not None:
-        unknown = sorted(set(allowed) - set(names))
-        if unknown:
-            raise MemoryPlanError(
-                f"tune_options names {', '.join(unknown)}, which zero_auto does not know; "
-                f"choose from {', '.join(names)}."
-            )
+        check_option_names(allowed, [verdict.estimate.option.name for verdict in plan.verdicts])
     fitting = [
         verdict.estimate.option
         for verdict in plan.verdicts
@@ -182,6 +176,17 @@ def tune(
 _BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
 
+def check_option_names(allowed: Sequence[str], known: Sequence[str] | None = None) -> None:
+    """Refuse ``tune_options`` names that are not among zero_auto's options (``known``: those of the plan; default:
+    every option the planner knows), before anything is measured."""
+    known = list(known) if known is not None else [option.name for option in ZERO_OPTIONS]
+    unknown = sorted(set(allowed) - set(known))
+    if unknown:
+        raise MemoryPlanError(
+            f"tune_options names {', '.join(unknown)}, which zero_auto does not know; choose from {', '.join(known)}."
+        )
+
+
 @dataclass(frozen=True)
 class TuneRequest:
     """``zero_auto``'s tuning arguments, checked once: the same for the Trainer's and Fabric's strategy."""
@@ -209,6 +214,8 @@ class TuneRequest:
             raise ValueError(f"tune_steps is the number of measured steps per candidate, at least 1; got {steps!r}.")
         if isinstance(options, str):
             raise TypeError(f"tune_options is a list of option names, e.g. [{options!r}]; got the string {options!r}.")
+        if options is not None:
+            check_option_names(options)
         if micro_batches is not None and (
             isinstance(micro_batches, (str, int))
             or not micro_batches
