@@ -1,0 +1,159 @@
+"""The docs say only what the code does: every Python block of README.md and docs/*.md compiles, every `lightspeed`
+command line in a shell block parses, every ``lightspeed.X`` name the docs mention exists, every keyword a Python
+block passes to a lightspeed callable is one it takes, and every ``strategy="..."`` name is registered."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import lightspeed
+from _support.launch import REPO_ROOT
+from lightspeed.cli.main import build_parser
+
+DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+_FENCE = re.compile(r"^```(\w*)\s*$")
+_NAME = re.compile(r"\blightspeed(?:\.[A-Za-z_]\w*)+")
+
+
+def _blocks(path: Path) -> list[tuple[str, int, str]]:
+    """``(language, line of the opening fence, text)`` of every fenced block in ``path``."""
+    blocks, language, start, lines = [], None, 0, []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        fence = _FENCE.match(line)
+        if fence and language is None:
+            language, start, lines = fence.group(1), number, []
+        elif line.startswith("```") and language is not None:
+            blocks.append((language, start, "\n".join(lines)))
+            language = None
+        elif language is not None:
+            lines.append(line)
+    return blocks
+
+
+def _python_blocks() -> list[Any]:
+    return [
+        pytest.param(text, id=f"{path.name}:{line}")
+        for path in DOCS
+        for language, line, text in _blocks(path)
+        if language == "python"
+    ]
+
+
+def _command_lines() -> list[Any]:
+    """Every ``lightspeed ...`` line of the shell blocks (continuations joined, comments and ``$`` dropped)."""
+    found = []
+    for path in DOCS:
+        for language, line, text in _blocks(path):
+            if language not in ("bash", "sh", "shell", "console"):
+                continue
+            for command in text.replace("\\\n", " ").splitlines():
+                command = re.sub(r"\s+#.*$", "", command.strip().removeprefix("$ "))
+                if command.startswith("lightspeed "):
+                    found.append(pytest.param(command, id=f"{path.name}:{line}:{command.split()[1]}"))
+    return found
+
+
+def _resolve(dotted: str) -> Any:
+    """The object ``dotted`` (``lightspeed.a.b``) names: attributes, importing submodules where needed."""
+    parts = dotted.split(".")
+    obj: Any = lightspeed
+    for index, part in enumerate(parts[1:], 1):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+            continue
+        obj = importlib.import_module(".".join(parts[: index + 1]))
+    return obj
+
+
+@pytest.mark.parametrize("text", _python_blocks())
+def test_every_python_block_compiles(text: str) -> None:
+    compile(text, "<docs>", "exec")
+
+
+@pytest.mark.parametrize("command", _command_lines())
+def test_every_lightspeed_command_line_parses(command: str) -> None:
+    command = re.split(r"\s(?:>|>>|\||&&|;)\s", command)[0]  # the command itself, not what its output goes to
+    arguments = shlex.split(command.replace("[", "").replace("]", ""))[1:]  # "[--tag T]": an optional part
+    try:
+        build_parser().parse_args(arguments)
+    except SystemExit as exit:
+        pytest.fail(f"`{command}` does not parse (exit {exit.code})")
+
+
+def test_every_lightspeed_name_the_docs_mention_exists() -> None:
+    missing = []
+    for path in DOCS:
+        for dotted in sorted(set(_NAME.findall(path.read_text()))):
+            dotted = dotted.rstrip(".")
+            try:
+                _resolve(dotted)
+            except (AttributeError, ImportError):
+                missing.append(f"{path.name}: {dotted}")
+    assert not missing, "the docs name what does not exist:\n" + "\n".join(missing)
+
+
+def _lightspeed_callables(tree: ast.Module) -> dict[str, str]:
+    """Local name -> dotted lightspeed name, from the block's imports."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "lightspeed":
+                    names[alias.asname or alias.name.split(".")[0]] = alias.asname and alias.name or "lightspeed"
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lightspeed":
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+@pytest.mark.parametrize("text", _python_blocks())
+def test_every_keyword_a_block_passes_to_lightspeed_is_taken(text: str) -> None:
+    tree = ast.parse(text)
+    imported = _lightspeed_callables(tree)
+    wrong = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.keywords:
+            continue
+        dotted = _dotted(node.func)
+        if dotted is None or dotted.split(".")[0] not in imported:
+            continue
+        head, _, rest = dotted.partition(".")
+        target = _resolve(imported[head] + (f".{rest}" if rest else ""))
+        try:
+            parameters = inspect.signature(target).parameters
+        except (TypeError, ValueError):
+            continue
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            continue
+        wrong += [f"{dotted}({k.arg}=...)" for k in node.keywords if k.arg is not None and k.arg not in parameters]
+    assert not wrong, "keywords the callables do not take: " + ", ".join(wrong)
+
+
+def test_every_strategy_name_in_the_docs_is_registered() -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    known = set(StrategyRegistry) | set(FABRIC_REGISTRY)
+    unknown = []
+    for path in DOCS:
+        for name in sorted(set(re.findall(r"""strategy=["']([\w-]+)["']""", path.read_text()))):
+            if name not in known:
+                unknown.append(f"{path.name}: strategy={name!r}")
+    assert not unknown, "\n".join(unknown)
