@@ -15,6 +15,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, SubsetRandomSampler
 
 import lightspeed
+from _support.trainers import quiet_trainer
 from lightspeed.callbacks import GatherForMetrics
 from lightspeed.core.errors import GatherError, StepOutputError
 from lightspeed.core.gather import GatherState
@@ -65,14 +66,10 @@ class RowCount(torchmetrics.Metric):
 
 
 def trainer(callback: GatherForMetrics, accelerator: str = "cpu", **kwargs) -> L.Trainer:
-    return L.Trainer(
+    return quiet_trainer(
         accelerator=accelerator,
         devices=1,
         callbacks=[callback],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         **kwargs,
     )
 
@@ -234,14 +231,10 @@ def test_single_cuda_device_metrics_equal_reference():
     n = 9
     ref = reference(n)
     callback = GatherForMetrics({"acc": torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")})
-    tr = L.Trainer(
+    tr = quiet_trainer(
         accelerator="gpu",
         devices=1,
         callbacks=[callback],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
     metrics = tr.validate(Module(), dataloaders=DataLoader(MapData(n), batch_size=4), verbose=False)[0]
     assert metrics["val/acc"] == pytest.approx(float((ref["preds"] == ref["target"]).float().mean()), abs=1e-7)

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from _support.launch import run_python, run_torchrun
+from _support.trainers import quiet_trainer
 from lightspeed.export import ExportError, export_checkpoint, load_exported
 
 HERE = Path(__file__).resolve().parent
@@ -88,17 +89,12 @@ def test_export_equals_live_weights_and_checkpoint_export(runs, tmp_path, case):
 
 
 def test_refuses_non_deepspeed_strategy_and_occupied_directory(tmp_path):
-    import lightning as L
 
     from lightspeed.callbacks import ZeroExport
 
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
         max_steps=1,
     )
     callback = ZeroExport(tmp_path / "export")
@@ -111,14 +107,10 @@ def test_refuses_non_deepspeed_strategy_and_occupied_directory(tmp_path):
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "model.safetensors").write_text("from another run")
-    zero = L.Trainer(
+    zero = quiet_trainer(
         strategy="zero2",
         accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
         max_steps=1,
     )
     with pytest.raises(ExportError, match=r"output directory .*occupied exists and is not empty; pass overwrite=True"):

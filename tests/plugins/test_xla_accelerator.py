@@ -11,12 +11,12 @@ import importlib.util
 import os
 import re
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.accelerators import AcceleratorRegistry
 
 import lightspeed  # noqa: F401  (registers accelerator="xla")
+from _support.trainers import quiet_trainer
 from lightspeed.plugins.accelerators.xla import XLAAccelerator, parse_xla_devices
 from lightspeed.plugins.precision.xla import DEPRECATED_XLA_ENV_VARS
 
@@ -36,12 +36,6 @@ def pjrt_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch_xla  # noqa: F401
 
 
-def _quiet_trainer(**kwargs: object) -> L.Trainer:
-    return L.Trainer(
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs
-    )
-
-
 def test_import_lightspeed_registers_xla_as_lightspeeds_accelerator() -> None:
     assert AcceleratorRegistry["xla"]["accelerator"] is XLAAccelerator
     assert AcceleratorRegistry["tpu"]["accelerator"] is not XLAAccelerator  # Lightning's own entry is left alone
@@ -57,9 +51,9 @@ def test_accelerator_xla_without_torch_xla_says_what_to_install() -> None:
         "'lightspeed[xla]'`)."
     )
     with pytest.raises(ModuleNotFoundError, match=f"^{re.escape(expected)}$"):
-        _quiet_trainer(accelerator="xla", devices=1)
+        quiet_trainer(accelerator="xla", devices=1)
     with pytest.raises(ModuleNotFoundError, match=f"^{re.escape(expected)}$"):
-        _quiet_trainer(strategy="xla_exact")
+        quiet_trainer(strategy="xla_exact")
 
 
 @pytest.mark.parametrize(
@@ -81,7 +75,7 @@ def test_devices_are_counted_through_the_pjrt_runtime(pjrt_cpu: None) -> None:
     assert xr.device_type() == "CPU"
     assert XLAAccelerator.auto_device_count() == int(os.environ.get("CPU_NUM_DEVICES", "1"))
     assert XLAAccelerator.is_available()
-    trainer = _quiet_trainer(accelerator="xla", devices="auto")
+    trainer = quiet_trainer(accelerator="xla", devices="auto")
     assert trainer.num_devices == XLAAccelerator.auto_device_count() == xr.addressable_runtime_device_count()
     assert trainer.strategy.root_device.type == "xla"
 
@@ -101,7 +95,7 @@ def test_no_tpu_metadata_call_unless_the_device_is_a_tpu(pjrt_cpu: None, monkeyp
     LightningXLAAccelerator.auto_device_count.cache_clear()
     LightningXLAAccelerator.is_available.cache_clear()
     assert LightningXLAAccelerator.is_available() is False  # Lightning's "TPU available" probe, asked on Trainer start
-    _quiet_trainer(accelerator="xla", devices=1)
+    quiet_trainer(accelerator="xla", devices=1)
     assert XLAAccelerator.auto_device_count() >= 1
     assert calls == []
     # control: the TPU core count Lightning's probe uses does reach the metadata server when asked
@@ -117,7 +111,7 @@ def test_precision_flag_routes_to_lightspeed_xla_precision(pjrt_cpu: None, preci
     from lightspeed.strategies.xla import SingleDeviceXLAExactStrategy
 
     before = {k: os.environ.get(k) for k in DEPRECATED_XLA_ENV_VARS}
-    trainer = _quiet_trainer(accelerator="xla", devices=1, precision=precision)
+    trainer = quiet_trainer(accelerator="xla", devices=1, precision=precision)
     assert isinstance(trainer.accelerator, XLAAccelerator)
     assert isinstance(trainer.strategy, SingleDeviceXLAExactStrategy)
     assert type(trainer.precision_plugin) is XLAPrecision
@@ -131,7 +125,7 @@ def test_downcast_plugin_and_xla_exact_by_name(pjrt_cpu: None) -> None:
     from lightspeed.strategies.xla import XLAExactStrategy
 
     plugin = XLAPrecision("bf16-downcast")
-    trainer = _quiet_trainer(accelerator="xla", devices=1, strategy="xla_exact", plugins=[plugin])
+    trainer = quiet_trainer(accelerator="xla", devices=1, strategy="xla_exact", plugins=[plugin])
     assert isinstance(trainer.strategy, XLAExactStrategy)
     assert trainer.precision_plugin is plugin
 
@@ -139,7 +133,7 @@ def test_downcast_plugin_and_xla_exact_by_name(pjrt_cpu: None) -> None:
 @needs_torch_xla
 def test_unknown_precision_mode_fails_while_building_the_trainer(pjrt_cpu: None) -> None:
     with pytest.raises(ValueError, match=r"^XLAPrecision got an unknown precision mode '16-mixed'\. Choose one of: "):
-        _quiet_trainer(accelerator="xla", devices=1, precision="16-mixed")
+        quiet_trainer(accelerator="xla", devices=1, precision="16-mixed")
 
 
 @needs_torch_xla
@@ -155,8 +149,8 @@ def test_bf16_on_a_device_without_bf16_fails_while_building_the_trainer(
         "or a CUDA GPU of compute capability 8.0 or newer)."
     )
     with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
-        _quiet_trainer(accelerator="xla", devices=1, precision="bf16-true")
-    _quiet_trainer(accelerator="xla", devices=1, precision="32-true")  # fp32 still fine there
+        quiet_trainer(accelerator="xla", devices=1, precision="bf16-true")
+    quiet_trainer(accelerator="xla", devices=1, precision="32-true")  # fp32 still fine there
 
 
 @needs_torch_xla
@@ -165,7 +159,7 @@ def test_more_devices_than_pjrt_offers_fails_while_building_the_trainer(pjrt_cpu
     with pytest.raises(
         ValueError, match=rf"^`devices={count + 1}` is not possible on the PJRT device 'CPU' with {count} device"
     ):
-        _quiet_trainer(accelerator="xla", devices=count + 1)
+        quiet_trainer(accelerator="xla", devices=count + 1)
 
 
 @needs_torch_xla
@@ -176,13 +170,13 @@ def test_xla_exact_strategies_refuse_another_accelerator(pjrt_cpu: None, strateg
         "`Trainer(accelerator='xla', ...)` as well."
     )
     with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
-        _quiet_trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-true")
+        quiet_trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-true")
 
 
 def test_other_accelerators_keep_lightnings_own_strategy_and_precision_choice() -> None:
     from lightning.pytorch.plugins import HalfPrecision
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    trainer = _quiet_trainer(accelerator="cpu", devices=1, precision="bf16-true")
+    trainer = quiet_trainer(accelerator="cpu", devices=1, precision="bf16-true")
     assert type(trainer.strategy) is SingleDeviceStrategy
     assert type(trainer.precision_plugin) is HalfPrecision

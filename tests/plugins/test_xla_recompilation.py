@@ -31,6 +31,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightspeed  # noqa: E402,F401  (registers accelerator="xla")
+from _support.trainers import quiet_trainer  # noqa: E402
 from lightspeed.strategies import SingleDeviceXLAExactStrategy  # noqa: E402
 from lightspeed.xla import XLARecompilationWarning, bucket_collate  # noqa: E402
 
@@ -94,14 +95,10 @@ class CompileCounts(L.Callback):
 
 def _fit(hidden: int, collate: Any, **trainer_kwargs: Any) -> tuple[L.Trainer, CompileCounts, list[str]]:
     counts = CompileCounts()
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="xla",
         devices=1,
         max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[counts],
         **trainer_kwargs,
     )

@@ -7,13 +7,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from _support.launch import REPO_ROOT, run_torchrun
 from _support.models import make_regression_data
+from _support.trainers import quiet_trainer
 
 SCRIPTS = REPO_ROOT / "tests" / "strategies" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -25,14 +25,10 @@ from _support.models import make_net  # noqa: E402
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     out = tmp_path_factory.mktemp("zero_full_weights")
-    single = L.Trainer(
+    single = quiet_trainer(
         accelerator="cpu",
         devices=1,
         max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
     single.fit(ProbeModule(seed=9), DataLoader(make_regression_data(16), batch_size=2))
     single.save_checkpoint(out / "single.ckpt")

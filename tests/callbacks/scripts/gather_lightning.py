@@ -30,6 +30,7 @@ from gather_data import NUM_CLASSES, LengthIterable, MapData, ShardedIterable, m
 from gather_scenarios import SHUFFLE_SEED, BatchableData, WholeStreamWithLen  # noqa: E402
 
 import lightspeed  # noqa: E402
+from _support.trainers import quiet_trainer  # noqa: E402
 from lightspeed.callbacks import GatherForMetrics  # noqa: E402
 
 # validation dataloaders, in order: name -> (kind, n, batch_size, shuffle)
@@ -173,15 +174,11 @@ class Rank1Differs(L.LightningModule):
 
 def validation_error(world: int, callback: GatherForMetrics, module: L.LightningModule, n: int | None) -> str | None:
     """The error this rank got from validating ``module`` over ``n`` samples (every rank must get one, none hang)."""
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=world,
         strategy="ddp",
         callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     try:
         loaders = DataLoader(MapData(n), batch_size=2) if n is not None else None  # None: the module's own
@@ -252,16 +249,12 @@ def issue12_runs(world: int) -> dict[str, Any]:
     }
     callback = GatherForMetrics(metrics)
     order = GatherForMetrics({"checksum": order_checksum}, preds_key="idx", target_key="idx", val_prefix="order/")
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=world,
         strategy="ddp",
         callbacks=[callback, order],
         use_distributed_sampler=False,  # the loader brings its own DistributedSampler
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.validate(OwnLoader(nested_sampler_loader), verbose=False)
     unsharded = validation_error(
@@ -303,7 +296,7 @@ def main() -> None:
         if prefix != "val"
     ]
     module = EvalModule(callback)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=world,
         strategy=strategy,
@@ -311,10 +304,6 @@ def main() -> None:
         max_epochs=1,
         limit_train_batches=2,
         num_sanity_val_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     val_loaders = [loader(*spec) for spec in VAL.values()]
     logged = {}

@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO / "examples"))
 from checkpoint_models import VOCAB, TinyLM  # noqa: E402
 
 import lightspeed  # noqa: E402,F401
+from _support.trainers import quiet_trainer  # noqa: E402
 from lightspeed.callbacks import ZeroExport  # noqa: E402
 
 # case -> (strategy name, model kind, ZeroExport keyword arguments)
@@ -112,16 +113,14 @@ def run(case: str, out: Path) -> None:
     L.seed_everything(0, verbose=False)
     model = LitLM(kind)
     export = ZeroExport(root / "export", **export_kwargs)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=strategy,
         precision=precision,
         **place,
         max_steps=3,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=root,
         callbacks=[export, ModelCheckpoint(root / "ckpts", save_last=True)],
+        enable_checkpointing=True,
     )
     trainer.fit(model, loader(kind))
     reference = live_reference(trainer.strategy.deepspeed_engine)
@@ -161,16 +160,14 @@ def run_hf(case: str, out: Path) -> None:
     L.seed_everything(0, verbose=False)
     model = LitHFGPT2()
     tokens = torch.randint(0, HF_GPT2["vocab_size"], (12, 9), generator=torch.Generator().manual_seed(5))
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=HF_CASES[case],
         accelerator="cpu",
         devices=2,
         max_steps=3,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=root,
         callbacks=[ZeroExport(root / "export", strip_prefix="model."), ModelCheckpoint(root / "ckpts", save_last=True)],
+        enable_checkpointing=True,
     )
     trainer.fit(model, DataLoader(TensorDataset(tokens), batch_size=3))
     module = trainer.strategy.deepspeed_engine.module
@@ -214,15 +211,11 @@ def failure_outcomes(trainer: L.Trainer, export: ZeroExport, model: LitLM, kind:
         failed_write = _outcome(lambda: export_engine(trainer.strategy.deepspeed_engine, root / "broken_export"))
     finally:
         safetensors_writer.write_file = original
-    second = L.Trainer(
+    second = quiet_trainer(
         strategy=CASES[FAILURE_CASE][0],
         accelerator="cpu",
         devices=2,
         max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         callbacks=[export],
     )
     second_fit = _outcome(lambda: second.fit(LitLM(kind), loader(kind)))

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from _support.launch import REPO_ROOT, child_env, free_port, run_launch
 
-SCRIPTS = REPO_ROOT / "tests" / "reliability" / "scripts"
+SCRIPTS = REPO_ROOT / "tests" / "core" / "reliability" / "scripts"
 
 
 def elastic_command(script: str, nproc: int, args: Sequence[object], max_restarts: int) -> list[str]:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _elastic import elastic_command
+from _elastic import SCRIPTS, elastic_command
 
 from _support.launch import REPO_ROOT, child_env, run_torchrun
 
@@ -60,9 +60,7 @@ def test_a_stopped_rank_makes_the_others_fail_with_a_named_collective_and_rank(
 def test_a_run_whose_heartbeat_never_pauses_still_exits_0() -> None:
     """lightspeed's exit hook stops the heartbeat before Python shuts down: a daemon thread still writing to the
     store then ends the process with 'terminate called without an active exception' (-6) after a successful run."""
-    proc = run_torchrun(
-        REPO_ROOT / "tests" / "reliability" / "scripts" / "heartbeat_exit.py", 2, check=False, retry_native_abort=False
-    )
+    proc = run_torchrun(SCRIPTS / "heartbeat_exit.py", 2, check=False, retry_native_abort=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "terminate called" not in output, output[-3000:]
     assert all(f"rank {rank} done" in proc.stdout for rank in (0, 1)), output[-3000:]
@@ -76,7 +74,7 @@ def test_a_rank_that_fails_and_exits_is_named_by_the_rank_waiting_for_it(tmp_pat
     script, *mode = WORKERS[front_end]
     started = time.monotonic()
     proc = run_torchrun(
-        REPO_ROOT / "tests" / "reliability" / "scripts" / script,
+        SCRIPTS / script,
         2,
         [*mode, tmp_path, "zero2", 600, "exits"],  # a timeout that never fires within the test's own limit
         check=False,
@@ -117,7 +115,7 @@ def test_a_collective_of_ones_own_on_one_rank_in_predict_step_under_zero3_is_a_n
     still cannot complete: each rank fails naming the collective it waited in, never a silent hang. Both ranks wait
     with the same timeout, so either may time out first; the other then fails at once naming it as gone."""
     proc = run_torchrun(
-        REPO_ROOT / "tests" / "reliability" / "scripts" / "hang.py",
+        SCRIPTS / "hang.py",
         2,
         [tmp_path, "predict_zero3", TIMEOUT_S],
         check=False,

@@ -23,6 +23,7 @@ import lightning.pytorch as pl  # noqa: E402
 from accumulation_cases import item_loss, make_data, make_model, rank_batches  # noqa: E402
 
 import lightspeed  # noqa: E402,F401  (registers ddp_exact)
+from _support.trainers import quiet_trainer  # noqa: E402
 
 REAL_ALL_REDUCE = dist.all_reduce  # the DDP gradient hook uses it directly; its calls are counted by the hook
 COLLECTIVES = (
@@ -139,7 +140,7 @@ def run_case(case: dict, out_dir: Path) -> None:
         from lightspeed.strategies.ddp_exact import DDPExactStrategy
 
         strategy = DDPExactStrategy(sync_with_dataloader=case["sync_with_dataloader"])
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=world,
         strategy=strategy,
@@ -147,10 +148,6 @@ def run_case(case: dict, out_dir: Path) -> None:
         accumulate_grad_batches=case["accumulate"],
         gradient_clip_val=case.get("clip"),
         precision=case.get("precision", "32-true"),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
     )

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401
 from _support.models import RegressionModule, full_state_dict, make_regression_data
+from _support.trainers import quiet_trainer
 from lightspeed.strategies.zero import ZeroStrategy
 
 DEVICES = 2
@@ -34,16 +35,16 @@ def loader() -> DataLoader:
     return DataLoader(make_regression_data(), batch_size=4)
 
 
-def trainer(strategy: object, num_nodes: int, devices: int, epochs: int, **kwargs: object) -> L.Trainer:
-    return L.Trainer(
+def trainer(
+    strategy: object, num_nodes: int, devices: int, epochs: int, *, enable_checkpointing: bool = True, **kwargs: object
+) -> L.Trainer:
+    return quiet_trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=devices,
         num_nodes=num_nodes,
         max_epochs=epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=enable_checkpointing,
         **kwargs,
     )
 

@@ -14,6 +14,8 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from _support.trainers import QUIET
+
 IN_FEATURES, HIDDEN, OUT_FEATURES = 6, 16, 3
 NUM_SAMPLES, BATCH_SIZE, ACCUMULATE = 40, 4, 3  # 10 batches per epoch: windows of 3, 3, 3 and a short 1
 LR, MOMENTUM = 0.05, 0.9
@@ -130,15 +132,12 @@ def reference_exact_training(epochs: int, seed: int = 0) -> tuple[dict[str, torc
 
 def trainer_kwargs(root: str, **overrides: Any) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
+        QUIET,
         accelerator="xla",
         devices=1,
         max_epochs=2,
         accumulate_grad_batches=ACCUMULATE,
         default_root_dir=root,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     kwargs.update(overrides)
     return kwargs

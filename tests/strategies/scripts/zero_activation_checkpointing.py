@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightspeed  # noqa: F401  (registers the strategy names)
 from _support.models import full_state_dict
+from _support.trainers import quiet_trainer
 
 VOCAB, CONTEXT = 61, 12
 
@@ -60,15 +61,11 @@ class LanguageModel(L.LightningModule):
 def train(name: str, checkpointing: bool) -> dict[str, torch.Tensor]:
     L.seed_everything(0, verbose=False)
     module = LanguageModel(checkpointing)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=name,
         accelerator="cpu",
         devices=2,
         max_steps=3,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
     trainer.fit(module, DataLoader(data(), batch_size=4))
     assert module.model.is_gradient_checkpointing == checkpointing

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightspeed
 from _support.models import full_state_dict
+from _support.trainers import quiet_trainer
 
 WIDTH, BLOCKS, STEPS = 16, 3, 3
 #: the section arguments of the checkpointed runs: two that Lightning's own configure call would drop
@@ -102,15 +103,11 @@ def train(stage: int, policy: bool) -> tuple[dict[str, torch.Tensor], dict[str, 
     module = Regression()
     extra: dict[str, Any] = {"activation_checkpointing_policy": {Block}, **SECTION_ARGUMENTS} if policy else {}
     strategy = lightspeed.strategies.ZeroStrategy(stage=stage, **extra)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_steps=STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
     CALLS.update(forward=0, checkpoint=0)
     trainer.fit(module, DataLoader(data(), batch_size=4))

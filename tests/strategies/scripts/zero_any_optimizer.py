@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401
 from _support.models import RegressionModule, full_state_dict, make_regression_data
+from _support.trainers import quiet_trainer
 
 
 def make_optimizer(kind: str, params):
@@ -55,15 +56,11 @@ def main() -> None:
         kind, _, name = run.partition("@")
         L.seed_everything(0, verbose=False)
         model = Module(kind)
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             strategy=name,
             accelerator="cpu",
             devices=2,
             max_steps=args.steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         try:
             trainer.fit(model, DataLoader(make_regression_data(), batch_size=4))

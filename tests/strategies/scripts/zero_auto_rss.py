@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightspeed  # noqa: F401  (registers the strategy names)
+from _support.trainers import quiet_trainer
 
 
 class WideMLP(L.LightningModule):
@@ -57,15 +58,11 @@ def _fit(stage: int, config: dict, model: L.LightningModule, width: int, batch: 
     from lightspeed.strategies.zero import ZeroStrategy
 
     data = TensorDataset(torch.randn(batch * 2 * steps, width), torch.randn(batch * 2 * steps, width))
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=ZeroStrategy(stage=stage, config=config),
         accelerator="cpu",
         devices=2,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(data, batch_size=batch))
     return trainer

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401  (registers the strategy names)
 from _support.models import RegressionModule, full_state_dict, make_regression_data
+from _support.trainers import quiet_trainer
 from lightspeed.core.errors import MemoryPlanError
 from lightspeed.strategies.zero_auto import ZeroAutoStrategy
 from strategies.scripts.zero_auto_models import DeepRegressionModule
@@ -54,15 +55,11 @@ def main() -> None:
         capture.messages.clear()
         model = build(case["model"])
         strategy = ZeroAutoStrategy(**case["kwargs"])
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             strategy=strategy,
             accelerator="cpu",
             devices=2,
             max_steps=args.steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         meta: dict = {"name": case["name"]}
         try:

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401  (registers the strategy names)
 from _support.models import IN_FEATURES, OUT_FEATURES, RegressionModule, full_state_dict, make_regression_data
+from _support.trainers import quiet_trainer
 from lightspeed.core.zero.tuner import decision
 from lightspeed.core.zero.tuner.decision import pick_fastest
 from lightspeed.strategies import ZeroStrategy
@@ -67,16 +68,12 @@ def fit(
     strategy: Any, module: L.LightningModule, batch_size: int = 4, accumulate: int = 1, callbacks: Any = ()
 ) -> L.Trainer:
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_steps=4,
         accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         callbacks=list(callbacks),
     )
     trainer.fit(module, DataLoader(make_regression_data(), batch_size=batch_size, shuffle=True))

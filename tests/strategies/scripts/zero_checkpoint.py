@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401
 from _support.models import RegressionModule, full_state_dict, make_regression_data
+from _support.trainers import quiet_trainer
 
 EPOCHS = 2
 
@@ -29,15 +30,13 @@ def loader(shuffle: bool = False) -> DataLoader:
     return DataLoader(make_regression_data(), batch_size=4, shuffle=shuffle)
 
 
-def trainer(name: str, root: Path, **kwargs) -> L.Trainer:
-    return L.Trainer(
+def trainer(name: str, root: Path, *, enable_checkpointing: bool = True, **kwargs) -> L.Trainer:
+    return quiet_trainer(
         strategy=name,
         accelerator="cpu",
         devices=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=root,
+        enable_checkpointing=enable_checkpointing,
         **kwargs,
     )
 

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401  (registers the strategy names)
 from _support.models import IN_FEATURES, OUT_FEATURES, RegressionModule, full_state_dict, make_regression_data
+from _support.trainers import quiet_trainer
 from lightspeed.strategies import ZeroStrategy
 
 STEPS, BATCH = 3, 4
@@ -72,15 +73,11 @@ def fit(case: str, strategy: Any, compile_model: dict[str, Any] | None) -> tuple
     L.seed_everything(0, verbose=False)
     module = AttentionModule() if case.startswith("zero3") else RegressionModule()
     model: Any = torch.compile(module, **compile_model) if compile_model is not None else module
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     start = time.perf_counter()
     trainer.fit(model, DataLoader(make_regression_data(), batch_size=BATCH))

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from _support.models import RegressionModule, full_state_dict, make_regression_data
+from _support.trainers import quiet_trainer
 from lightspeed.strategies import ZeroStrategy
 
 OPTIMIZER = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}}
@@ -34,15 +35,11 @@ def main(out: Path, steps: int, names: list[str]) -> None:
     for name in names:
         L.seed_everything(0, verbose=False)
         strategy = ZeroStrategy(stage=int(name[-1]), config={"optimizer": OPTIMIZER, "scheduler": SCHEDULER})
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             strategy=strategy,
             accelerator="cpu",
             devices=2,
             max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         trainer.fit(ConfigOptimizerModule(), DataLoader(make_regression_data(), batch_size=4))
         engine = trainer.strategy.deepspeed_engine

@@ -6,24 +6,22 @@ import json
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401
 from _support.models import RegressionModule, make_regression_data
+from _support.trainers import quiet_trainer
 from lightspeed.strategies import ZeroStrategy
 
 
 def attempt(strategy, module, **trainer_kwargs) -> str:
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=1,
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_model_summary=True,
         **trainer_kwargs,
     )
     try:

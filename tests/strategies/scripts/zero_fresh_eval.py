@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401
 from _support.models import RegressionModule, make_regression_data
+from _support.trainers import quiet_trainer
 from lightspeed.strategies import ZeroStrategy
 
 
@@ -37,15 +38,13 @@ def strategy(name: str):
     return ZeroStrategy(stage=0) if name == "stage0" else name
 
 
-def trainer(name: str, root: Path, **kwargs) -> L.Trainer:
-    return L.Trainer(
+def trainer(name: str, root: Path, *, enable_checkpointing: bool = True, **kwargs) -> L.Trainer:
+    return quiet_trainer(
         strategy=strategy(name),
         accelerator="cpu",
         devices=int(os.environ.get("WORLD_SIZE", "1")),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=root,
+        enable_checkpointing=enable_checkpointing,
         **kwargs,
     )
 

@@ -11,26 +11,22 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader
 from zero_full_weights_model import ProbeModule
 
 from _support.models import full_state_dict, make_regression_data
+from _support.trainers import quiet_trainer
 from lightspeed.strategies import ZeroStrategy
 
 
 def main(ckpt: Path, out: Path, offload: str) -> None:
     strategy = ZeroStrategy(stage=3, offload_parameters=offload, load_full_weights=True)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         num_sanity_val_steps=0,
     )
     trainer.fit(ProbeModule(seed=0), DataLoader(make_regression_data(16), batch_size=2), ckpt_path=ckpt)

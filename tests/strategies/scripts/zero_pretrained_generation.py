@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightspeed
 from _support.models import make_net
+from _support.trainers import quiet_trainer
 
 NEW_TOKENS = (2, 6)  # per rank: the ranks stop generating at different steps
 PROMPTS = torch.tensor([[5, 9, 13], [7, 2, 40]])
@@ -165,14 +166,10 @@ class GeneratingModule(L.LightningModule):
 
 def run_trainer(path: Path) -> dict[str, Any]:
     module = GeneratingModule(path)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy="zero3",
         accelerator="cpu",
         devices=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
     one_batch = DataLoader(TensorDataset(torch.zeros(2, 1)), batch_size=1)
     trainer.validate(module, one_batch)

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 import lightspeed
 from _support import several_models as sm
 from _support.models import full_state_dict
+from _support.trainers import quiet_trainer
 
 GAN_MODELS = {"generator": {"stage": 2}, "discriminator": {"stage": 3}}
 
@@ -56,15 +57,11 @@ class GAN(L.LightningModule):
 
 
 def trainer(max_epochs: int, callbacks: list[Any] | None = None) -> L.Trainer:
-    return L.Trainer(
+    return quiet_trainer(
         strategy=lightspeed.strategies.ZeroStrategy(stage=2, models=GAN_MODELS),
         accelerator="cpu",
         devices=2,
         max_epochs=max_epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         callbacks=callbacks,
     )
 
@@ -113,16 +110,12 @@ def distill_trainer(**kwargs: Any) -> L.Trainer:
     gather = lightspeed.callbacks.GatherForMetrics(
         {"acc": torchmetrics.classification.MulticlassAccuracy(3, average="micro")}
     )
-    return L.Trainer(
+    return quiet_trainer(
         strategy=lightspeed.strategies.ZeroStrategy(
             stage=2, models={"student": {}, "teacher": {"stage": 3, "offload_parameters": "cpu"}}
         ),
         accelerator="cpu",
         devices=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         callbacks=[gather],
         **kwargs,
     )

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401  (registers the strategy names)
 from _support.models import RegressionModule, full_state_dict, make_regression_data
+from _support.trainers import quiet_trainer
 
 
 class SkippedSteps(L.Callback):
@@ -52,16 +53,12 @@ def main() -> None:
         L.seed_everything(0, verbose=False)
         model = RegressionModule()
         skipped = SkippedSteps()
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             strategy=name,
             accelerator=args.accelerator,
             devices=args.devices,
             precision=precision or args.precision,
             max_steps=args.steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             callbacks=[skipped],
         )
         trainer.fit(model, DataLoader(make_regression_data(), batch_size=args.batch))

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightspeed
 from _support.models import make_net
+from _support.trainers import quiet_trainer
 from _support.uneven_evaluation import MODEL_SEED, SHARDS, TIMEOUT_S, dataset, metrics, shard_loader
 from lightspeed.callbacks import GatherForMetrics
 
@@ -131,7 +132,7 @@ def main() -> None:
     torch.set_num_threads(1)
     gather = GatherForMetrics(metrics())
     record = Record(gather)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=lightspeed.strategies.ZeroStrategy(stage=3, timeout=timedelta(seconds=TIMEOUT_S)),
         accelerator="cpu",
         devices=2,
@@ -141,10 +142,6 @@ def main() -> None:
         num_sanity_val_steps=2,
         use_distributed_sampler=False,
         callbacks=[gather, record],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     module = Classifier()
     trainer.fit(module)

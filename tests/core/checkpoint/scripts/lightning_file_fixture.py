@@ -11,6 +11,8 @@ import torch
 from checkpoint_models import VOCAB, TinyLM, batch
 from torch import nn
 
+from _support.trainers import quiet_trainer
+
 
 class StepNote(nn.Module):
     """Keeps a plain-Python note in the state dict (``note._extra_state``), as some modules do."""
@@ -50,14 +52,10 @@ def train_and_save(root: Path, steps: int = 4) -> tuple[Path, dict[str, torch.Te
     torch.manual_seed(0)
     module = TinyLightningLM()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.stack([batch(s) for s in range(steps)])))
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(root),
     )
     trainer.fit(module, data)

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 import lightspeed  # noqa: F401
 from _support.models import IN_FEATURES, OUT_FEATURES, RegressionModule, make_regression_data
 from _support.outcomes import Steps, error_text
+from _support.trainers import quiet_trainer
 
 
 class WiderModule(RegressionModule):
@@ -34,16 +35,14 @@ class WiderModule(RegressionModule):
 
 
 def trainer(root: Path, max_steps: int, callbacks: list[Callback]) -> L.Trainer:
-    return L.Trainer(
+    return quiet_trainer(
         strategy="zero2",
         accelerator="cpu",
         devices=2,
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=root,
         callbacks=callbacks,
+        enable_checkpointing=True,
     )
 
 

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import lightspeed  # noqa: E402,F401
 from _support.models import RegressionModule, make_regression_data  # noqa: E402
+from _support.trainers import quiet_trainer  # noqa: E402
 
 
 class RecordRank(L.Callback):
@@ -40,15 +41,11 @@ class RecordRank(L.Callback):
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy="ddp",
         accelerator="cpu",
         devices=2,
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[RecordRank()],
     )
     trainer.fit(RegressionModule(), DataLoader(make_regression_data(), batch_size=4))

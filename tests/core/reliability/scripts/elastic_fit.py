@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed  # noqa: F401
 from _support.models import RegressionModule, full_state_dict, make_regression_data
+from _support.trainers import quiet_trainer
 
 EPOCHS = 3  # 8 steps per epoch (64 samples, batch 4, 2 ranks)
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -76,14 +77,11 @@ def loader() -> DataLoader:
 
 
 def trainer(strategy: str, root: Path, callbacks: list[Callback]) -> L.Trainer:
-    return L.Trainer(
+    return quiet_trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_epochs=EPOCHS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         default_root_dir=root,
         callbacks=callbacks,

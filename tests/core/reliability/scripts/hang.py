@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed
 from _support.models import RegressionModule, make_regression_data
+from _support.trainers import quiet_trainer
 
 
 class StopRankOne(Callback):
@@ -55,7 +56,9 @@ class OneRankCollective(RegressionModule):
 
 def predict_with_one_rank_collective(out: Path, timeout: timedelta) -> None:
     strategy = lightspeed.strategies.ZeroStrategy(stage=3, timeout=timeout)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    trainer = quiet_trainer(
+        strategy=strategy, accelerator="cpu", devices=2, enable_checkpointing=True, enable_model_summary=True
+    )
     try:
         trainer.predict(OneRankCollective(), DataLoader(make_regression_data(32), batch_size=4))
     except BaseException as err:
@@ -76,15 +79,11 @@ def main(out: Path, name: str, timeout_s: float, how: str) -> None:
     else:
         strategy = lightspeed.strategies.ZeroStrategy(stage=2, timeout=timeout)
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         callbacks=[StopRankOne(out, how)],
     )
     try:

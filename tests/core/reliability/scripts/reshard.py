@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from _support.models import HIDDEN, IN_FEATURES, OUT_FEATURES, RegressionModule, full_state_dict, make_regression_data
+from _support.trainers import quiet_trainer
 from lightspeed.strategies import ZeroStrategy
 
 FIRST_STEPS, LAST_STEP = 3, 7
@@ -49,15 +50,11 @@ def module(config: str) -> RegressionModule:
 def trainer(config: str, root: Path, max_steps: int) -> L.Trainer:
     stage = int(config[1])
     strategy = ZeroStrategy(stage=stage, offload_optimizer="cpu" if config.endswith("offload") else "none")
-    return L.Trainer(
+    return quiet_trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         default_root_dir=root,
     )
 

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from _support.models import RegressionModule, make_regression_data
 from _support.outcomes import Steps, error_text
+from _support.trainers import quiet_trainer
 from lightspeed.strategies import ZeroStrategy
 
 TIMEOUT_S = 20
@@ -48,16 +49,14 @@ class FullDisk(Callback):
 
 
 def trainer(out: Path, max_steps: int, callbacks: list[Callback]) -> L.Trainer:
-    return L.Trainer(
+    return quiet_trainer(
         strategy=ZeroStrategy(stage=2, timeout=timedelta(seconds=TIMEOUT_S)),
         accelerator="cpu",
         devices=2,
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=out,
         callbacks=[ModelCheckpoint(out / "ckpts", save_last=True, every_n_train_steps=2), *callbacks],
+        enable_checkpointing=True,
     )
 
 
