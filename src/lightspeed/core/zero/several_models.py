@@ -34,7 +34,6 @@ from lightspeed.core.zero.config.choices import check_zero_stage, offload_target
 from lightspeed.core.zero.config.model_recipe import ModelOptions
 
 __all__ = [
-    "refuse_with_several_models",
     "assign_optimizers",
     "check_model_options",
     "engine_for_backward",
@@ -42,6 +41,7 @@ __all__ = [
     "model_dtype_for",
     "model_options_of",
     "parse_model_options",
+    "refuse_with_several_models",
     "route_forward",
     "without_training_sections",
 ]
@@ -96,7 +96,7 @@ def refuse_with_several_models(options: Mapping[str, ModelOptions], argument: st
     if refused:
         raise DeepSpeedConfigError(
             f"{argument} cannot be combined with {', '.join(refused)} yet: train the models with one engine (leave "
-            f"out models=) or drop these arguments."
+            "out models=) or drop these arguments."
         )
 
 
