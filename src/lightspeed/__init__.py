@@ -7,7 +7,8 @@ packaged as Lightning strategies, plugins and callbacks.
 DeepSpeed and torch_xla are imported only when a run uses them.
 
 Public: the subpackages ``strategies``, ``plugins``, ``callbacks``, ``fabric``, ``export``, ``xla`` (padding to fixed
-shapes, the recompilation alarm) and ``errors`` (every exception a user can meet), the gather functions below, and
+shapes, the recompilation alarm) and ``errors`` (every exception a user can meet), the gather functions below
+(``exact_metrics``: the exact metrics of a whole evaluation loop without the Trainer), and
 ``load_pretrained`` (pretrained weights into a model, straight into its ZeRO-3 partitions),
 ``gathered_for_generation`` (a ZeRO-3 model gathered once for a whole generation) and ``gathered_for_evaluation`` (a
 ZeRO-3 model gathered once for an evaluation whose ranks run different numbers of batches).
@@ -17,7 +18,14 @@ ZeRO-3 model gathered once for an evaluation whose ranks run different numbers o
 from lightspeed import callbacks, errors, export, fabric, plugins, strategies, xla
 from lightspeed._version import __version__
 from lightspeed.core.errors import GatherError
-from lightspeed.core.gather import gather_for_metrics, gather_object, pad_across_processes, shard_iterable, track
+from lightspeed.core.gather import (
+    exact_metrics,
+    gather_for_metrics,
+    gather_object,
+    pad_across_processes,
+    shard_iterable,
+    track,
+)
 from lightspeed.core.zero.evaluation import gathered_for_evaluation
 from lightspeed.core.zero.generation import gathered_for_generation
 from lightspeed.core.zero.pretrained import load_pretrained
@@ -30,6 +38,7 @@ __all__ = [
     "__version__",
     "callbacks",
     "errors",
+    "exact_metrics",
     "export",
     "fabric",
     "gather_for_metrics",

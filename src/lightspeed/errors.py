@@ -12,38 +12,8 @@
 Each also derives from the built-in exception it always was (``ValueError``, ``RuntimeError`` or ``TypeError``).
 """
 
-from lightspeed.core.errors import (
-    CallSiteMismatch,
-    CheckpointError,
-    CollectiveTimeoutError,
-    CudaInitializedError,
-    DeepSpeedConfigError,
-    ExportError,
-    GatherError,
-    IncompleteCheckpointError,
-    LightspeedError,
-    MemoryPlanError,
-    RankLostError,
-    StepOutputError,
-    UnevenEvaluationError,
-    UnsupportedOffloadOptimizerError,
-    WorldSizeMismatchError,
-)
+from __future__ import annotations
 
-__all__ = [
-    "CallSiteMismatch",
-    "CheckpointError",
-    "CollectiveTimeoutError",
-    "CudaInitializedError",
-    "DeepSpeedConfigError",
-    "ExportError",
-    "GatherError",
-    "IncompleteCheckpointError",
-    "LightspeedError",
-    "MemoryPlanError",
-    "RankLostError",
-    "StepOutputError",
-    "UnevenEvaluationError",
-    "UnsupportedOffloadOptimizerError",
-    "WorldSizeMismatchError",
-]
+# the classes and their one list of names (``__all__``) are core's: this module only hands them to users
+from lightspeed.core.errors import *  # noqa: F403
+from lightspeed.core.errors import __all__ as __all__

@@ -405,7 +405,7 @@ def test_load_refuses_an_interrupted_save(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------- metrics
-def test_gather_for_metrics_drops_exactly_the_padding_on_3_ranks(tmp_path: Path) -> None:
+def test_gather_for_metrics_and_exact_metrics_drop_exactly_the_padding_on_3_ranks(tmp_path: Path) -> None:
     out = tmp_path / "metrics.json"
     run_torchrun(SCRIPTS / "fabric_metrics.py", 3, [out, "ddp_exact,zero3"], timeout=600)
     results = json.loads(out.read_text())
@@ -418,6 +418,11 @@ def test_gather_for_metrics_drops_exactly_the_padding_on_3_ranks(tmp_path: Path)
         assert result["ids"] == list(range(7)), name  # exactly the 7 real samples, once each
         assert torch.allclose(torch.tensor(result["pred"]), expected_pred, atol=1e-6), name
         assert result["mse"] == pytest.approx(expected_mse, abs=1e-6), name
+        assert sorted(result["exact"]) == ["2", "auto", "batch", "epoch"], name
+        for every, values in result["exact"].items():  # every gather window: the single-process value
+            assert values["rows"] == 7, (name, every)
+            assert values["mse"] == pytest.approx(expected_mse, abs=1e-6), (name, every)
+        assert result["metric_untouched"] == 0, name  # exact_metrics updates copies, never the metric passed in
 
 
 # --------------------------------------------------------------------------------------------- bad input

@@ -1,7 +1,8 @@
 """A Fabric loop under ZeRO-3 (2 CPU ranks, fp32) evaluating two dataloaders of different lengths whose ranks run
 different numbers of batches: inside ``lightspeed.gathered_for_evaluation`` it finishes instead of hanging in a
-forward pass, one ``gather_for_metrics`` per dataloader after its loop gives exactly the single-process metrics on
-every rank, the engine trains on afterwards, and ``enabled=False`` is an ``UnevenEvaluationError`` on every rank."""
+forward pass, one ``gather_for_metrics`` per dataloader after its loop and ``exact_metrics`` (also over a third
+dataloader that gives rank 1 no batch) give exactly the single-process metrics on every rank, the engine trains on
+afterwards, and ``enabled=False`` is an ``UnevenEvaluationError`` on every rank."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from _support.launch import REPO_ROOT, run_torchrun
-from _support.uneven_evaluation import FABRIC_LOADERS, TIMEOUT_S, expected, per_rank_batches
+from _support.uneven_evaluation import FABRIC_LOADERS, SHARDS, TIMEOUT_S, expected, per_rank_batches
 
 SCRIPT = REPO_ROOT / "tests" / "fabric" / "scripts" / "fabric_uneven_evaluation.py"
 
@@ -32,6 +33,7 @@ def test_uneven_evaluation_gathers_the_model_and_gives_the_single_process_metric
             assert evaluation["gathered"] is True
             assert evaluation["batches"] == batches[rank]
             assert evaluation["metrics"] == reference, f"rank {rank}"
+            assert evaluation["exact"] == [expected(idx) for idx in range(len(SHARDS))], f"rank {rank}"
 
 
 def test_the_parameters_are_partitioned_again_after_the_evaluation(ranks: list[dict[str, Any]]) -> None:

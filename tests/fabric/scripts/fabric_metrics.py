@@ -1,5 +1,7 @@
 """Worker: a Fabric evaluation loop on 3 ranks over 7 samples (the DistributedSampler pads 2 duplicates) gathering
-predictions and targets with lightspeed.gather_for_metrics; rank 0 writes what it gathered.
+predictions and targets with lightspeed.gather_for_metrics, then the same evaluation through lightspeed.exact_metrics
+with each gather window (one batch, two, sized automatically, the whole epoch); rank 0 writes what it gathered and
+the metrics.
 
 usage: fabric_metrics.py OUT_JSON STRATEGY[,STRATEGY...]
 """
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torchmetrics
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightspeed
@@ -36,7 +39,17 @@ def evaluate(name: str) -> dict:
             targets.append(gathered["y"])
             ids.append(gathered["i"])
     pred, target = torch.cat(preds), torch.cat(targets)
+    metrics = {"mse": torchmetrics.MeanSquaredError(), "rows": lambda p, t: len(p)}
+    with torch.no_grad():
+        exact = {
+            str(every): lightspeed.exact_metrics(
+                loader, lambda batch: (model(batch[0]), batch[1]), metrics, device=fabric.device, gather_every=every
+            )
+            for every in ("batch", 2, "auto", "epoch")
+        }
     return {
+        "exact": {every: {name: float(value) for name, value in values.items()} for every, values in exact.items()},
+        "metric_untouched": int(metrics["mse"].total),
         "rows_per_rank": lightspeed.gather_object(local_rows),
         "ids": torch.cat(ids).tolist(),
         "mse": torch.nn.functional.mse_loss(pred, target).item(),

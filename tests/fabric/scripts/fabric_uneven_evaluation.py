@@ -1,8 +1,9 @@
 """Worker: a Fabric loop under ZeRO-3 (2 ranks, fp32) evaluating two dataloaders whose ranks run different numbers of
 batches (``tests/_support/uneven_evaluation.py``) inside ``lightspeed.gathered_for_evaluation``, gathering each
-dataloader's outputs once after its loop with ``lightspeed.gather_for_metrics``; then one training step (the engine
-goes on after the gathered evaluation), the same evaluation again, and ``enabled=False`` (the model may not be
-gathered: a clear error on every rank instead of a hang).
+dataloader's outputs once after its loop with ``lightspeed.gather_for_metrics``, and the same two plus a third that
+gives rank 1 no batch through ``lightspeed.exact_metrics``; then one training step (the engine goes on after the
+gathered evaluation), the same evaluations again, and ``enabled=False`` (the model may not be gathered: a clear error
+on every rank instead of a hang).
 
 usage: fabric_uneven_evaluation.py OUT
 Rank 0 writes OUT/fabric.json: per rank, per evaluation whether the model was gathered, the batches run and the metrics
@@ -22,7 +23,7 @@ import torch
 
 import lightspeed
 from _support.models import make_net
-from _support.uneven_evaluation import FABRIC_LOADERS, MODEL_SEED, TIMEOUT_S, dataset, metrics, shard_loader
+from _support.uneven_evaluation import FABRIC_LOADERS, MODEL_SEED, SHARDS, TIMEOUT_S, dataset, metrics, shard_loader
 from lightspeed.fabric import ZeroFabricStrategy
 
 
@@ -47,6 +48,17 @@ def evaluate(model: Any, loaders: list[Any]) -> dict[str, Any]:
             result["batches"].append(len(preds))
             result["metrics"].append(values)
     result["gathered"] = gathered
+    every_loader = [shard_loader(i, torch.distributed.get_rank()) for i in range(len(SHARDS))]
+    with torch.no_grad(), lightspeed.gathered_for_evaluation(model, *every_loader):
+        result["exact"] = [
+            {
+                name: float(value)
+                for name, value in lightspeed.exact_metrics(
+                    loader, lambda batch: (model(batch[0]).argmax(-1), batch[1]), metrics()
+                ).items()
+            }
+            for loader in every_loader
+        ]
     return result
 
 

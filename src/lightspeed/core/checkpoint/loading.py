@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -18,7 +19,7 @@ from lightspeed.core.checkpoint.plan import TIED_METADATA_KEY
 from lightspeed.core.checkpoint.safetensors_writer import INDEX_FILE, SINGLE_FILE
 from lightspeed.core.errors import ExportError
 
-__all__ = ["LoadResult", "export_files", "is_export", "load_exported", "read_exported"]
+__all__ = ["LoadResult", "describe_key_mismatch", "export_files", "is_export", "load_exported", "read_exported"]
 
 
 class LoadResult(NamedTuple):
@@ -82,6 +83,19 @@ def read_exported(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def describe_key_mismatch(
+    missing: Sequence[str],
+    unexpected: Sequence[str],
+    labels: tuple[str, str],
+    render: Callable[[Sequence[str]], str],
+) -> str:
+    """``"<label>: <keys>"`` for the missing, then the unexpected keys, each only when there are any, joined by
+    ``"; "``: the one wording of a key mismatch between a module and stored weights (an export, a checkpoint), so the
+    loaders only say what their keys are called and how a list of them is written."""
+    groups = zip(labels, (missing, unexpected), strict=True)
+    return "; ".join(f"{label}: {render(keys)}" for label, keys in groups if keys)
+
+
 def load_exported(module: nn.Module, path: str | os.PathLike, strict: bool = True) -> LoadResult:
     """Copy the weights of the export at ``path`` into ``module`` (its ``state_dict()`` names).
 
@@ -96,15 +110,15 @@ def load_exported(module: nn.Module, path: str | os.PathLike, strict: bool = Tru
     missing = [k for k in targets if k not in available]
     unexpected = sorted(k for k in available if k not in targets)
     if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing keys (in the module, not in the export): {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys (in the export, not in the module): {unexpected}")
+        mismatch = describe_key_mismatch(
+            missing,
+            unexpected,
+            ("missing keys (in the module, not in the export)", "unexpected keys (in the export, not in the module)"),
+            str,
+        )
         raise ExportError(
-            f"the export at {path} does not match {type(module).__name__}: "
-            + "; ".join(parts)
-            + " (pass strict=False to load the common keys only)"
+            f"the export at {path} does not match {type(module).__name__}: {mismatch}"
+            " (pass strict=False to load the common keys only)"
         )
     handles: dict[Path, Any] = {}
     try:

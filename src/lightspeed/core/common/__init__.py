@@ -1,1 +1,2 @@
-"""What every feature of the core uses: rank helpers and agreement across ranks, byte sizes, counting samples."""
+"""What every feature of the core uses: rank helpers and agreement across ranks, byte sizes, counting samples,
+argument checks."""

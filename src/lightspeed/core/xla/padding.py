@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import default_collate
 
+from lightspeed.core.common.checks import require_whole_number
 from lightspeed.core.xla.batch_tree import Path, format_path, leaf_name, map_tensors, tensor_leaves
 
 __all__ = [
@@ -79,12 +80,13 @@ def bucket_length(length: int, buckets: Sequence[int]) -> int:
 
 
 def _check_dim(dim: int) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-        raise ValueError(
-            f"dim must be the sequence dimension of the batch's tensors, an integer >= 1 (dim 0 is the batch"
-            f" dimension), got dim={dim!r}."
-        )
-    return dim
+    """``dim``, checked to be a sequence dimension: an integer >= 1 (dim 0 is the batch dimension)."""
+    return require_whole_number(
+        dim,
+        1,
+        f"dim must be the sequence dimension of the batch's tensors, an integer >= 1 (dim 0 is the batch"
+        f" dimension), got dim={dim!r}.",
+    )
 
 
 def _pad_values(pad_values: Mapping[Any, float | int] | None, mask_key: str | None = None) -> dict[Any, float | int]:

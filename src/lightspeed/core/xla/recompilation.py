@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lightspeed.core.common.checks import require_whole_number
 from lightspeed.core.xla.batch_tree import format_path, tensor_leaves
 
 __all__ = [
@@ -137,12 +138,13 @@ def _advice(before: BatchSignature, after: BatchSignature) -> str:
 
 
 def check_warmup_steps(warmup_steps: int) -> int:
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(
-            f"recompilation warm-up steps must be a whole number >= 0 (the first steps, whose compilations are"
-            f" expected), got {warmup_steps!r}."
-        )
-    return warmup_steps
+    """``warmup_steps``, checked to be a whole number >= 0: the first steps, whose compilations are expected."""
+    return require_whole_number(
+        warmup_steps,
+        0,
+        f"recompilation warm-up steps must be a whole number >= 0 (the first steps, whose compilations are"
+        f" expected), got {warmup_steps!r}.",
+    )
 
 
 def _torch_xla_needed() -> None:

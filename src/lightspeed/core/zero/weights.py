@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lightspeed.core.checkpoint.loading import describe_key_mismatch
 from lightspeed.core.checkpoint.torch_zip import RegionReader
 from lightspeed.core.checkpoint.zero_reader import TensorSource, ZeroCheckpoint, assemble, read_zero_checkpoint
 from lightspeed.core.common.distributed import raise_on_every_rank
@@ -131,13 +132,10 @@ def load_zero_weights(module: torch.nn.Module, structure: ZeroCheckpoint, *, ran
         unexpected = sorted(stored - set(targets))
         missing = sorted(_persistent_keys(module) - stored)
         if unexpected or missing:
-            parts = []
-            if missing:
-                parts.append(f"missing from the checkpoint: {', '.join(missing)}")
-            if unexpected:
-                parts.append(f"not in the model: {', '.join(unexpected)}")
+            labels = ("missing from the checkpoint", "not in the model")
+            mismatch = describe_key_mismatch(missing, unexpected, labels, ", ".join)
             raise CheckpointError(
-                f"{structure.files.tag_dir} does not fit the model ({'; '.join(parts)}). Pass the checkpoint of "
+                f"{structure.files.tag_dir} does not fit the model ({mismatch}). Pass the checkpoint of "
                 "this model, or set `model.strict_loading = False` to load the matching tensors only."
             )
     reader = RegionReader()
