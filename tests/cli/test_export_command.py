@@ -46,7 +46,7 @@ def lightspeed_cli(*args: str) -> subprocess.CompletedProcess:
 
 def parse(*args: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="lightspeed")
-    export_command.add_parser(parser.add_subparsers(dest="command"))
+    export_command.COMMAND.add_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["export", *map(str, args)])
 
 
@@ -168,7 +168,7 @@ def test_single_file_user_errors_exit_2(lightning_file, tmp_path, capsys, case):
 def test_help_lists_every_option():
     parser = argparse.ArgumentParser(prog="lightspeed")
     subparsers = parser.add_subparsers(dest="command")
-    export_command.add_parser(subparsers)
+    export_command.COMMAND.add_parser(subparsers)
     help_text = subparsers.choices["export"].format_help()
     for option in ("--dtype", "--max-shard-size", "--tag", "--exclude-frozen", "--strip-prefix", "--overwrite"):
         assert option in help_text

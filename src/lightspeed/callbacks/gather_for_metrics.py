@@ -118,25 +118,18 @@ class GatherForMetrics(Callback):
             self.states.pop(run_stage, None)
             self.results.pop(run_stage, None)
 
-    @override
-    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._epoch_start(trainer, "validate")
+    # The validation and test loops run the same hooks; each reads its stage from the trainer (the test hooks are the
+    # validation hooks under their own names).
 
     @override
-    def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._epoch_start(trainer, "test")
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_start(trainer, _stage(trainer))
 
     @override
     def on_validation_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._batch_start(trainer, "validate", batch, dataloader_idx)
-
-    @override
-    def on_test_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._batch_start(trainer, "test", batch, dataloader_idx)
+        self._batch_start(trainer, _stage(trainer), batch, dataloader_idx)
 
     @override
     def on_validation_batch_end(
@@ -148,27 +141,16 @@ class GatherForMetrics(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._batch_end(pl_module, "validate", outputs, dataloader_idx)
-
-    @override
-    def on_test_batch_end(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._batch_end(pl_module, "test", outputs, dataloader_idx)
+        self._batch_end(pl_module, _stage(trainer), outputs, dataloader_idx)
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._epoch_end(trainer, pl_module, "validate")
+        self._epoch_end(trainer, pl_module, _stage(trainer))
 
-    @override
-    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._epoch_end(trainer, pl_module, "test")
+    on_test_epoch_start = on_validation_epoch_start
+    on_test_batch_start = on_validation_batch_start
+    on_test_batch_end = on_validation_batch_end
+    on_test_epoch_end = on_validation_epoch_end
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -339,6 +321,11 @@ class GatherForMetrics(Callback):
         state = current_state()
         if state is not None and any(state is s for states in self.states.values() for s in states.values()):
             set_current_state(None)
+
+
+def _stage(trainer: Trainer) -> str:
+    """The evaluation stage the trainer runs now, as the callback names it."""
+    return "test" if trainer.testing else "validate"
 
 
 def _named_values(name: str, value: Any, suffix: str) -> list[tuple[str, Any]]:

@@ -12,7 +12,7 @@ import sys
 import warnings
 from typing import Any
 
-from lightspeed.cli.usage import EXIT_OK, UsageError, require_nvme_path
+from lightspeed.cli.usage import EXIT_OK, Command, UsageError, require_nvme_path
 from lightspeed.core.zero.config import (
     NVME_PATH_ENV,
     ZERO_PRESETS,
@@ -38,15 +38,8 @@ _SOURCES = {
 }
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "config",
-        help="print the DeepSpeed JSON of a ZeRO strategy name",
-        description="Print the DeepSpeed config of a registered lightspeed ZeRO strategy (e.g. zero3_offload). Values "
-        'the Trainer decides are "auto"; the flags below resolve them the way the strategy does at setup.',
-        epilog="example: lightspeed config zero3_offload --micro-batch-size 4 --accumulate 8 --precision bf16-mixed "
-        "> ds_config.json",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``lightspeed config``."""
     parser.add_argument(
         "name",
         help=f"strategy name: {', '.join(ZERO_PRESETS)}",
@@ -162,3 +155,15 @@ def run(args: argparse.Namespace) -> int:
         config = build_config(args)
     print(json.dumps(config, indent=2))
     return EXIT_OK
+
+
+COMMAND = Command(
+    name="config",
+    help="print the DeepSpeed JSON of a ZeRO strategy name",
+    description="Print the DeepSpeed config of a registered lightspeed ZeRO strategy (e.g. zero3_offload). Values the "
+    'Trainer decides are "auto"; the flags below resolve them the way the strategy does at setup.',
+    epilog="example: lightspeed config zero3_offload --micro-batch-size 4 --accumulate 8 --precision bf16-mixed "
+    "> ds_config.json",
+    add_arguments=add_arguments,
+    run=run,
+)

@@ -13,7 +13,7 @@ import shutil
 import sys
 from typing import Any
 
-from lightspeed.cli.usage import EXIT_OK
+from lightspeed.cli.usage import EXIT_OK, Command
 from lightspeed.core.xla.runtime import torch_xla_install_hint
 from lightspeed.core.zero.config import NVME_PATH_ENV
 from lightspeed.core.zero.runtime import (
@@ -33,14 +33,8 @@ KEY_OPS = {
 _DISTRIBUTIONS = {"torch_xla": "torch-xla"}
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "env",
-        help="versions, devices, usable DeepSpeed ops and which lightspeed strategies can run here",
-        description="Print what a bug report needs: versions of Python and the libraries lightspeed uses, the "
-        "devices, which DeepSpeed ops can be used (prebuilt, already compiled, or compilable) and which lightspeed "
-        "strategies can run on this machine, and why not.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``lightspeed env``."""
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -237,3 +231,14 @@ def run(args: argparse.Namespace) -> int:
     data = collect()
     print(json.dumps(data, indent=2) if args.json else format_report(data))
     return EXIT_OK
+
+
+COMMAND = Command(
+    name="env",
+    help="versions, devices, usable DeepSpeed ops and which lightspeed strategies can run here",
+    description="Print what a bug report needs: versions of Python and the libraries lightspeed uses, the devices, "
+    "which DeepSpeed ops can be used (prebuilt, already compiled, or compilable) and which lightspeed strategies can "
+    "run on this machine, and why not.",
+    add_arguments=add_arguments,
+    run=run,
+)

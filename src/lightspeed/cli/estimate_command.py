@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 
-from lightspeed.cli.usage import EXIT_OK, EXIT_USER_ERROR, UsageError
+from lightspeed.cli.usage import EXIT_OK, EXIT_USER_ERROR, Command, UsageError
 
 _EPILOG = """\
 examples:
@@ -19,16 +19,8 @@ Sizes need a unit: 80GB (10^9 bytes), 80GiB or 80G (2^30 bytes). Exit code 2 whe
 """
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "estimate",
-        help="estimate ZeRO memory per device and per host, and pick the fastest option that fits",
-        description="Estimate the memory of parameters, gradients and optimizer states per device and per host for "
-        "every ZeRO option (DeepSpeed's accounting, extended to ZeRO-1, NVMe and several nodes), mark which fit, "
-        "and pick the fastest that does.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``lightspeed estimate``."""
     parser.add_argument("factory", nargs="?", help="package.module:function (or :Class) that returns the nn.Module")
     parser.add_argument("--params", help="total parameter count instead of a factory, e.g. 7e9")
     parser.add_argument("--largest-layer", help="parameters of the largest single module (with --params), e.g. 1.3e8")
@@ -141,3 +133,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"lightspeed estimate: error: {explain_no_fit(result)}", file=sys.stderr)
         return EXIT_USER_ERROR
     return EXIT_OK
+
+
+COMMAND = Command(
+    name="estimate",
+    help="estimate ZeRO memory per device and per host, and pick the fastest option that fits",
+    description="Estimate the memory of parameters, gradients and optimizer states per device and per host for every "
+    "ZeRO option (DeepSpeed's accounting, extended to ZeRO-1, NVMe and several nodes), mark which fit, and pick the "
+    "fastest that does.",
+    epilog=_EPILOG,
+    preformatted=True,
+    add_arguments=add_arguments,
+    run=run,
+)

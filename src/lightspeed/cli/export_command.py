@@ -11,13 +11,13 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from lightspeed.cli.usage import EXIT_OK
+from lightspeed.cli.usage import EXIT_OK, Command
 
 if TYPE_CHECKING:
     from lightspeed.core.checkpoint.options import ExportOptions
     from lightspeed.core.checkpoint.safetensors_writer import Progress
 
-__all__ = ["DESCRIPTION", "add_parser", "run"]
+__all__ = ["COMMAND", "DESCRIPTION", "add_arguments", "run"]
 
 DESCRIPTION = """\
 Export a DeepSpeed ZeRO checkpoint (stages 0-3, CPU or NVMe offload, any world size) to safetensors in the
@@ -34,14 +34,8 @@ directory or files missing is an error (exit 2) naming the node and its ranks.
 """
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register the ``export`` subcommand."""
-    parser = subparsers.add_parser(
-        "export",
-        help="export a ZeRO or single-file Lightning checkpoint to consolidated safetensors",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``lightspeed export``."""
     parser.add_argument(
         "checkpoint",
         nargs="+",
@@ -136,3 +130,13 @@ def run(args: argparse.Namespace) -> int:
             f"to {result.output_dir}"
         )
     return EXIT_OK
+
+
+COMMAND = Command(
+    name="export",
+    help="export a ZeRO or single-file Lightning checkpoint to consolidated safetensors",
+    description=DESCRIPTION,
+    preformatted=True,
+    add_arguments=add_arguments,
+    run=run,
+)

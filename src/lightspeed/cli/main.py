@@ -1,7 +1,8 @@
 """The ``lightspeed`` console script: one command with subcommands ``env``, ``test``, ``estimate``, ``config``,
 ``export`` and ``tune``.
 
-Each subcommand is a module (:data:`SUBCOMMANDS`) that defines ``add_parser(subparsers)`` and ``run(args) -> int``.
+Each subcommand is a module that declares itself once as ``COMMAND``, a :class:`~lightspeed.cli.usage.Command`
+(name, ``--help`` texts, ``add_arguments(parser)`` and ``run(args) -> int``); :data:`SUBCOMMANDS` lists them.
 Exit codes: 0 success, 1 a check failed (``lightspeed test``), 2 a user error (one message on stderr, no traceback),
 130 interrupted.
 """
@@ -9,21 +10,25 @@ Exit codes: 0 success, 1 a check failed (``lightspeed test``), 2 a user error (o
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
 from lightspeed._version import __version__
-from lightspeed.cli.usage import EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, UsageError
+from lightspeed.cli import config_command, env_command, estimate_command, export_command, tune_command
+from lightspeed.cli.selftest import command as test_command
+from lightspeed.cli.usage import EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, Command, UsageError
 
-#: subcommand -> the module that implements it
-SUBCOMMANDS = {
-    "env": "lightspeed.cli.env_command",
-    "test": "lightspeed.cli.selftest.command",
-    "estimate": "lightspeed.cli.estimate_command",
-    "config": "lightspeed.cli.config_command",
-    "export": "lightspeed.cli.export_command",
-    "tune": "lightspeed.cli.tune_command",
+#: subcommand name -> its declaration, in the order ``lightspeed --help`` lists them
+SUBCOMMANDS: dict[str, Command] = {
+    command.name: command
+    for command in (
+        env_command.COMMAND,
+        test_command.COMMAND,
+        estimate_command.COMMAND,
+        config_command.COMMAND,
+        export_command.COMMAND,
+        tune_command.COMMAND,
+    )
 }
 
 
@@ -43,12 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"lightspeed {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in SUBCOMMANDS.values():
-        module = importlib.import_module(module_name)
-        before = set(subparsers.choices)
-        module.add_parser(subparsers)
-        for added in set(subparsers.choices) - before:
-            subparsers.choices[added].set_defaults(_run=module.run)
+    for command in SUBCOMMANDS.values():
+        command.add_parser(subparsers)
     return parser
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightspeed.cli.usage import EXIT_OK, UsageError
+from lightspeed.cli.usage import EXIT_OK, Command, UsageError
 
 _EPILOG = """\
 examples:
@@ -21,15 +21,8 @@ micro-batch size, accumulation, hardware and options; with --micro-batches pass 
 """
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "tune",
-        help="measure the ZeRO options that fit and cache the fastest for ZeroAutoStrategy(tune=True)",
-        description="Run a few real training steps of every ZeRO option the memory planner says fits, in the "
-        "processes of one launch, print samples/s and peak memory of each, and cache the fastest.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``lightspeed tune``."""
     parser.add_argument("factory", help="package.module:function returning (LightningModule, DataLoader/DataModule)")
     parser.add_argument("--devices", type=int, default=1, help="processes per node (default 1)")
     parser.add_argument("--accelerator", default="auto", help="cpu, cuda or auto (default)")
@@ -111,3 +104,15 @@ def run(args: argparse.Namespace) -> int:
         accumulate = f" and accumulate_grad_batches={trainer.accumulate_grad_batches}" if micro else ""
         print(f"lightspeed tune: {strategy.chosen_option.name}{micro}{accumulate} (decision in {cache})")
     return EXIT_OK
+
+
+COMMAND = Command(
+    name="tune",
+    help="measure the ZeRO options that fit and cache the fastest for ZeroAutoStrategy(tune=True)",
+    description="Run a few real training steps of every ZeRO option the memory planner says fits, in the processes "
+    "of one launch, print samples/s and peak memory of each, and cache the fastest.",
+    epilog=_EPILOG,
+    preformatted=True,
+    add_arguments=add_arguments,
+    run=run,
+)

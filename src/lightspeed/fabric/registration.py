@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-from lightspeed.core.zero.config import ZERO_PRESETS
+from lightspeed.core.zero.config import zero_registrations
 from lightspeed.fabric.ddp_exact import DDPExactFabricStrategy
 from lightspeed.fabric.zero import ZeroFabricStrategy
 from lightspeed.fabric.zero_auto import ZeroAutoFabricStrategy
@@ -14,16 +14,8 @@ __all__ = ["register_fabric_strategies"]
 
 def register_fabric_strategies() -> None:
     """Register ``zero1`` ... ``zero3_nvme``, ``zero_auto`` and ``ddp_exact`` with Fabric (idempotent)."""
-    for name, preset in ZERO_PRESETS.items():
-        STRATEGY_REGISTRY.register(
-            name, ZeroFabricStrategy, description=preset.description, override=True, **preset.init_params()
-        )
-    STRATEGY_REGISTRY.register(
-        "zero_auto",
-        ZeroAutoFabricStrategy,
-        description="ZeRO with the fastest stage/offload that fits the model in this machine's memory",
-        override=True,
-    )
+    for name, strategy, description, params in zero_registrations(ZeroFabricStrategy, ZeroAutoFabricStrategy):
+        STRATEGY_REGISTRY.register(name, strategy, description=description, override=True, **params)
     STRATEGY_REGISTRY.register(
         "ddp_exact",
         DDPExactFabricStrategy,

@@ -27,7 +27,7 @@ Lightning Fabric's ``DeepSpeedStrategy`` with lightspeed's ZeRO core, the same t
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -41,15 +41,9 @@ from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from typing_extensions import override
 
-from lightspeed.core.zero.compile import (
-    CompileRequest,
-    compile_request,
-)
-from lightspeed.core.zero.config import (
-    AUTO,
-)
-from lightspeed.core.zero.config.activation import Policy
-from lightspeed.core.zero.config.model_recipe import ModelRecipe
+from lightspeed.core.zero.compile import CompileRequest
+from lightspeed.core.zero.config import AUTO
+from lightspeed.core.zero.config.model_recipe import ModelRecipe, arguments_outside_recipe
 from lightspeed.core.zero.parameter_checks import check_parameters_for_zero
 from lightspeed.core.zero.runtime import zero_device_kind
 from lightspeed.core.zero.session import ZeroConfigProperties, ZeroSession
@@ -157,22 +151,7 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
             raise unknown_keywords_error(type(self).__name__, unsupported, named_arguments(ZeroFabricStrategy))
         recipe_of_models = ModelRecipe.from_arguments(locals(), front_end="Fabric")
         recipe = recipe_of_models.config()
-        self._init_lightning(
-            recipe,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            logging_level=logging_level,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-            load_full_weights=load_full_weights,
-            node_local_storage=node_local_storage,
-            compile=compile,
-            compile_kwargs=compile_kwargs,
-            activation_checkpointing_policy=recipe_of_models.tuning.policy,
-        )
+        self._init_lightning(recipe, {**locals(), "activation_checkpointing_policy": recipe_of_models.tuning.policy})
         self._init_several_models(recipe_of_models.for_model)
 
     @property
@@ -187,27 +166,11 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
             _check_parameters_before_conversion(precision)
         DeepSpeedStrategy.precision.fset(self, precision)  # type: ignore[attr-defined]
 
-    def _init_lightning(
-        self,
-        recipe: dict[str, Any],
-        *,
-        node_local_storage: bool = False,
-        compile: bool = False,
-        compile_kwargs: dict[str, Any] | None = None,
-        activation_checkpointing_policy: Policy | None = None,
-        **strategy_kwargs: Any,
-    ) -> None:
+    def _init_lightning(self, recipe: dict[str, Any], arguments: Mapping[str, Any]) -> None:
         """Lightning Fabric's ``DeepSpeedStrategy`` set-up around an already built config (``"auto"`` values kept
-        until the process group exists)."""
-        self._session = ZeroSession(
-            recipe,
-            compile=compile_request(compile, compile_kwargs, type(self).__name__),
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            node_local_storage=node_local_storage,
-            exclude_frozen_parameters=strategy_kwargs.get("exclude_frozen_parameters", False),
-            front_end="Fabric",
-            info=rank_zero_info,
-        )
+        until the process group exists; ``arguments``: those of ``__init__`` by name, the parsed policy)."""
+        self._session = ZeroSession.from_arguments(recipe, arguments, type(self).__name__, "Fabric", rank_zero_info)
+        strategy_kwargs = arguments_outside_recipe(arguments, DeepSpeedStrategy.__init__)
         self._compile_takeover = FabricCompileTakeover()  # catches Fabric re-applying torch.compile
         super().__init__(config=recipe, **strategy_kwargs)
         self._backward_sync_control = ZeroBackwardSyncControl()  # Lightning's is None: the call would be ignored
@@ -229,16 +192,14 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
     @override
     def _configure_launcher(self) -> None:
         # Runs in Fabric.__init__, before launching: checks that must fail early, environment the ranks inherit.
-        self._session.check_before_launch(
-            self._device_kind(), self.precision.precision, self.cluster_environment, self.num_nodes, self.num_processes
-        )
+        self._session.check_before_launch(self._device_kind(), self.precision.precision, self)
         super()._configure_launcher()
 
     # ------------------------------------------------------------------ process setup
     @override
     def setup_environment(self) -> None:
         kind = self._device_kind()
-        self._session.start_process(kind, self.root_device.index, self.local_rank)
+        self._session.start_process(kind, self)
         if kind == "cuda":
             super().setup_environment()  # Lightning's CUDA check, device selection and process group
             return

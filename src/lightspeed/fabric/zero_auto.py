@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightspeed.core.zero.config import resolve_config_with_notes
 from lightspeed.core.zero.engine import one_optimizer_error
-from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
+from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Plan, ZeroOption
 from lightspeed.core.zero.tuner import TrialParts, copy_module_and_optimizer, first_batches, zero_auto_requests
 from lightspeed.fabric.config_optimizer import ConfigOptimizer
 from lightspeed.fabric.keywords import SEVERAL_MODELS, named_arguments, unknown_keywords_error
@@ -85,9 +85,8 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         if unknown:
             raise unknown_keywords_error(type(self).__name__, unknown, named_arguments(ZeroFabricStrategy))
         self._init_lightning(
-            self.request.user_config, activation_checkpointing_policy=self.request.tuning.policy, **kwargs
+            self.request.user_config, {**kwargs, "activation_checkpointing_policy": self.request.tuning.policy}
         )
-        self.tune_request.check_config(self.request.user_config)
         self.memory_plan: Plan | None = None
         self.chosen_option: ZeroOption | None = None
         #: the fastest micro-batch size and its accumulation, when ``tune_micro_batches`` found one faster than the
@@ -97,15 +96,11 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
 
     def choose(self, module: Module) -> ZeroOption:
         """Measure, plan, log the table and configure this strategy as the chosen option."""
-        devices = len(self.parallel_devices) if self.parallel_devices else 1
+        devices = len(self.parallel_devices or ())
         decision = self.request.decide(
-            module,
-            Cluster(devices_per_node=devices, nodes=max(1, self.num_nodes)),
-            self.precision.precision,
-            self.root_device,
+            module, devices, self.num_nodes, self.precision.precision, self.root_device, rank_zero_info
         )
         self.memory_plan = decision.plan
-        rank_zero_info(f"lightspeed zero_auto: memory plan\n{format_table(decision.plan)}")
         self._recipe = decision.config
         self.config = self._recipe
         self.chosen_option = decision.option
@@ -122,9 +117,7 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
             loss=lambda model, batch, index: loss(model, move_data_to_device(batch, self.root_device)),
             take_batches=lambda n, size: first_batches(batches, n, size),
             micro_batch=getattr(batches, "batch_size", None),
-            device=self.root_device,
-            local_rank=self.local_rank,
-            world_size=self.world_size,
+            process=self,
             precision=str(self.precision.precision),
             accumulation=self.accumulation_steps_in_config or 1,
         )

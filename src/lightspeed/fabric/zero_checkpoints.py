@@ -73,10 +73,7 @@ class ZeroCheckpointsMixin(SeveralModelsMixin):
             engine,
             str(path),
             client_state,
-            broadcast=self.broadcast,
-            world_size=self.world_size,
-            node_rank=self.node_rank,
-            local_rank=self.local_rank,
+            process=self,
             progress={"global_step": int(engine.global_steps)},
         )
 

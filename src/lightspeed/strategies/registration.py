@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightspeed.core.zero.config import ZERO_PRESETS
+from lightspeed.core.zero.config import zero_registrations
 from lightspeed.strategies.ddp_exact import DDPExactStrategy
 from lightspeed.strategies.xla import SingleDeviceXLAExactStrategy, XLAExactStrategy
 from lightspeed.strategies.zero import ZeroStrategy
@@ -17,16 +17,8 @@ __all__ = ["register_trainer_strategies"]
 def register_trainer_strategies() -> None:
     """Register ``zero1`` ... ``zero3_nvme``, ``zero_auto``, ``ddp_exact``, ``xla_exact`` and ``single_xla_exact``
     with the Trainer (idempotent)."""
-    for name, preset in ZERO_PRESETS.items():
-        StrategyRegistry.register(
-            name, ZeroStrategy, description=preset.description, override=True, **preset.init_params()
-        )
-    StrategyRegistry.register(
-        "zero_auto",
-        ZeroAutoStrategy,
-        description="ZeRO with the fastest stage/offload that fits the model in this machine's memory",
-        override=True,
-    )
+    for name, strategy, description, params in zero_registrations(ZeroStrategy, ZeroAutoStrategy):
+        StrategyRegistry.register(name, strategy, description=description, override=True, **params)
     StrategyRegistry.register(
         "ddp_exact",
         DDPExactStrategy,

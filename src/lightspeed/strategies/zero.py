@@ -29,16 +29,14 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DeepSpeedStrategy
-from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightspeed.core.zero.compile import CompileRequest, compile_request, request_from_dynamo_context
-from lightspeed.core.zero.config.activation import Policy
-from lightspeed.core.zero.config.model_recipe import ModelRecipe, model_recipes
+from lightspeed.core.zero.config.model_recipe import ModelRecipe, arguments_outside_recipe, model_recipes
 from lightspeed.core.zero.runtime import zero_device_kind
 from lightspeed.core.zero.session import ZeroConfigProperties, ZeroSession
 from lightspeed.core.zero.several_models import parse_model_options, refuse_with_several_models
+from lightspeed.strategies.compile_takeover import CompileTakeoverMixin
 from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationMixin
 from lightspeed.strategies.launchers import check_start_method, fork_launcher_if_wanted
 from lightspeed.strategies.process_group import ProcessGroupMixin
@@ -57,6 +55,7 @@ __all__ = ["ZeroStrategy"]
 class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None (Lightning's may be)
     ZeroEngineMixin,
     ZeroConfigProperties,
+    CompileTakeoverMixin,
     ProcessGroupMixin,
     ResumableDataMixin,
     DeepSpeedExactAccumulationMixin,
@@ -158,51 +157,21 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
             node_local_storage=node_local_storage,
             activation_checkpointing_policy=activation_checkpointing_policy,
         )
-        self._init_lightning(
-            deepspeed_config,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            logging_level=logging_level,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-            load_full_weights=load_full_weights,
-            sync_with_dataloader=sync_with_dataloader,
-            node_local_storage=node_local_storage,
-            start_method=start_method,
-            compile=compile,
-            compile_kwargs=compile_kwargs,
-            activation_checkpointing_policy=recipe.tuning.policy,
-        )
+        self._init_lightning(deepspeed_config, {**locals(), "activation_checkpointing_policy": recipe.tuning.policy})
         self._init_several_models(options, recipes)
 
-    def _init_lightning(
-        self,
-        deepspeed_config: dict[str, Any],
-        *,
-        node_local_storage: bool = False,
-        start_method: str | None = None,
-        compile: bool = False,
-        compile_kwargs: dict[str, Any] | None = None,
-        activation_checkpointing_policy: Policy | None = None,
-        **strategy_kwargs: Any,
-    ) -> None:
-        """Lightning's ``DeepSpeedStrategy`` set-up (``strategy_kwargs``: the Lightning arguments of ``__init__``)
-        around an already built DeepSpeed config, whose ``"auto"`` values stay until setup."""
-        check_start_method(start_method)
-        self._session = ZeroSession(
-            deepspeed_config,
-            compile=compile_request(compile, compile_kwargs, type(self).__name__),
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            node_local_storage=node_local_storage,
-            exclude_frozen_parameters=strategy_kwargs.get("exclude_frozen_parameters", False),
-            front_end="Trainer",
-            info=rank_zero_info,
+    def _init_lightning(self, deepspeed_config: dict[str, Any], arguments: Mapping[str, Any]) -> None:
+        """Lightning's ``DeepSpeedStrategy`` set-up around an already built DeepSpeed config, whose ``"auto"`` values
+        stay until setup (``arguments``: those of ``__init__`` by name, the parsed activation-checkpointing policy)."""
+        check_start_method(arguments.get("start_method"))
+        self._session = ZeroSession.from_arguments(
+            deepspeed_config, arguments, type(self).__name__, "Trainer", rank_zero_info
+        )
+        strategy_kwargs = arguments_outside_recipe(
+            arguments, DeepSpeedStrategy.__init__, DeepSpeedExactAccumulationMixin.__init__
         )
         super().__init__(config=deepspeed_config, **strategy_kwargs)
-        self._start_method_choice = start_method
+        self._start_method_choice = arguments.get("start_method")
         self._train_engine: deepspeed.DeepSpeedEngine | None = None
         self._failed = False  # set by on_exception, read by teardown
         self._init_several_models({}, {})
@@ -210,41 +179,12 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
     def _device_kind(self) -> str:
         return zero_device_kind(self.accelerator)
 
-    # ------------------------------------------------------------------ torch.compile
-    @property
-    @override
-    def _lightning_module(self) -> pl.LightningModule | None:
-        return self.__dict__.get("_zero_lightning_module")
-
-    @_lightning_module.setter
-    def _lightning_module(self, module: pl.LightningModule | None) -> None:
-        # The Trainer assigns the module it was given here (unwrapped from torch.compile by `from_compiled`, which
-        # compiles its step methods) and then refuses a compiled module under any DeepSpeed strategy: take the
-        # compilation over instead, undo Lightning's per-method wrapping, and let the engine compile the module.
-        ctx = getattr(module, "_compiler_ctx", None) if module is not None else None
-        if module is not None and ctx is not None:
-            request = request_from_dynamo_context(ctx["dynamo_ctx"], "torch.compile(model)")
-            to_uncompiled(module)
-            self._session.take_over_compile(request, self._device_kind() if self.accelerator is not None else None)
-        self.__dict__["_zero_lightning_module"] = module
-
-    @property
-    def compile_request(self) -> CompileRequest | None:
-        """What ``engine.compile()`` is called with (None: the model is not compiled)."""
-        return self._session.compile_request
-
     # ------------------------------------------------------------------ before any process starts
     @override
     def _configure_launcher(self) -> None:
         # Runs in Trainer.__init__, before launching: the right place for checks that must fail early and for the
         # environment every rank inherits.
-        self._session.check_before_launch(
-            self._device_kind(),
-            self.precision_plugin.precision,
-            self.cluster_environment,
-            self.num_nodes,
-            self.num_processes,
-        )
+        self._session.check_before_launch(self._device_kind(), self.precision_plugin.precision, self)
         launcher = fork_launcher_if_wanted(self, self._start_method_choice)
         if launcher is not None:
             self._launcher = launcher
@@ -255,7 +195,7 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
     @override
     def setup_environment(self) -> None:
         kind = self._device_kind()
-        self._session.start_process(kind, self.root_device.index, self.local_rank)
+        self._session.start_process(kind, self)
         if kind == "cuda":
             super().setup_environment()  # Lightning's checks and CUDA device selection
             return

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightspeed.core.zero.config import resolve_config_with_notes
-from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Cluster, Plan, ZeroOption, format_table
+from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Plan, ZeroOption
 from lightspeed.core.zero.tuner import TrialParts, first_batches, zero_auto_requests
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies._tuning import copy_lightning_module, training_loss
@@ -100,9 +100,8 @@ class ZeroAutoStrategy(ZeroStrategy):
         self.request, self.tune_request = zero_auto_requests(locals(), "Trainer")
         inspect.signature(ZeroStrategy).bind_partial(**kwargs)  # a misspelt argument is a TypeError naming it
         self._init_lightning(
-            self.request.user_config, activation_checkpointing_policy=self.request.tuning.policy, **kwargs
+            self.request.user_config, {**kwargs, "activation_checkpointing_policy": self.request.tuning.policy}
         )
-        self.tune_request.check_config(self.request.user_config)
         self.memory_plan: Plan | None = None
         self.chosen_option: ZeroOption | None = None
         #: the micro-batch size the tuner chose when it differs from the DataLoader's (``tune_micro_batches``)
@@ -115,15 +114,12 @@ class ZeroAutoStrategy(ZeroStrategy):
 
     def choose(self) -> ZeroOption:
         """Measure, plan, log the table and configure this strategy as the chosen option."""
-        devices = len(self.parallel_devices) if self.parallel_devices else 1
+        devices = len(self.parallel_devices or ())
+        precision = self.precision_plugin.precision
         decision = self.request.decide(
-            self._module(),
-            Cluster(devices_per_node=devices, nodes=max(1, self.num_nodes)),
-            self.precision_plugin.precision,
-            self.root_device,
+            self._module(), devices, self.num_nodes, precision, self.root_device, rank_zero_info
         )
         self.memory_plan = decision.plan
-        rank_zero_info(f"lightspeed zero_auto: memory plan\n{format_table(decision.plan)}")
         self.config = decision.config
         self.chosen_option = decision.option
         if self.tune_request.tune:
@@ -156,9 +152,7 @@ class ZeroAutoStrategy(ZeroStrategy):
             ),
             take_batches=lambda n, size: first_batches(loader, n, size),
             micro_batch=getattr(loader, "batch_size", None),
-            device=self.root_device,
-            local_rank=self.local_rank,
-            world_size=self.world_size,
+            process=self,
             precision=str(self.precision_plugin.precision),
             accumulation=trainer.accumulate_grad_batches,
         )

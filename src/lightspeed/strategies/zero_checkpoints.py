@@ -67,10 +67,7 @@ class ZeroCheckpointsMixin(SeveralModelsMixin):
             self.deepspeed_engine,
             str(filepath),
             client_state,
-            broadcast=self.broadcast,
-            world_size=self.world_size,
-            node_rank=self.node_rank,
-            local_rank=self.local_rank,
+            process=self,
             progress=progress,
         )
 

@@ -22,20 +22,13 @@ from typing import Any
 
 from lightspeed.cli.selftest.checks import Check, compare_ranks, diagnose, last_error_line
 from lightspeed.cli.selftest.runner import free_port, run_process_group
-from lightspeed.cli.usage import EXIT_CHECK_FAILED, EXIT_OK, UsageError, require_nvme_path
+from lightspeed.cli.usage import EXIT_CHECK_FAILED, EXIT_OK, Command, UsageError, require_nvme_path
 from lightspeed.core.zero.config import NVME_PATH_ENV, ZERO_PRESETS, build_zero_config
 from lightspeed.core.zero.runtime import export_deepspeed_accelerator
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``lightspeed test`` to the top-level parser."""
-    parser = subparsers.add_parser(
-        "test",
-        help="run a few real multi-process steps with a strategy and check that the processes agree",
-        description="Train a tiny model for a few steps with 2 processes (or all GPUs) through the Lightning Trainer "
-        "with a lightspeed strategy, then check that every process ran, that the optimizer changed the weights and "
-        "that all processes agree on RNG and weights. Exit code 0: ready; 1: a check failed; 2: bad arguments.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``lightspeed test``."""
     parser.add_argument(
         "--strategy", default="zero2", help="registered strategy name (default zero2), e.g. zero3_offload"
     )
@@ -205,3 +198,14 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CHECK_FAILED
     print(f"READY: {args.strategy} trains on this machine with {devices} processes and they agree.")
     return EXIT_OK
+
+
+COMMAND = Command(
+    name="test",
+    help="run a few real multi-process steps with a strategy and check that the processes agree",
+    description="Train a tiny model for a few steps with 2 processes (or all GPUs) through the Lightning Trainer with "
+    "a lightspeed strategy, then check that every process ran, that the optimizer changed the weights and that all "
+    "processes agree on RNG and weights. Exit code 0: ready; 1: a check failed; 2: bad arguments.",
+    add_arguments=add_arguments,
+    run=run,
+)

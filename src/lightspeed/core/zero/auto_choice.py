@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from lightspeed.core.zero.planner import (
     measure_budgets,
     plan,
 )
+from lightspeed.core.zero.planner.report import format_table
 
 __all__ = [
     "CHOSEN_BY_ZERO_AUTO",
@@ -182,12 +184,20 @@ class ZeroAutoRequest:
         )
 
     def decide(
-        self, module: torch.nn.Module, cluster: Cluster, precision: str, device: torch.device | None
+        self,
+        module: torch.nn.Module,
+        devices_per_node: int,
+        nodes: int,
+        precision: str,
+        device: torch.device | None,
+        info: Callable[[str], None],
     ) -> ZeroAutoDecision:
-        """Measure this rank's budgets (overrides first), agree on the smallest over all ranks (a collective), plan
-        and choose; raises :class:`MemoryPlanError` when nothing fits."""
+        """Measure this rank's budgets (overrides first), agree on the smallest over all ranks (a collective), plan,
+        choose and log the plan's table through ``info``; raises :class:`MemoryPlanError` when nothing fits."""
         budgets = agreed_budgets(measure_budgets(self.device_memory, self.host_memory, self.nvme_path, device=device))
+        cluster = Cluster(devices_per_node=max(1, devices_per_node), nodes=max(1, nodes))
         result, option = choose_zero_option(
             module, cluster, budgets, precision, self.optimizer_state_bytes, self.safety_margin
         )
+        info(f"lightspeed zero_auto: memory plan\n{format_table(result)}")
         return ZeroAutoDecision(result, option, zero_auto_config(option, self.user_config, self.tuning, self.nvme_path))

@@ -11,11 +11,12 @@ rank-zero logger).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from lightspeed.core.common.process import ProcessPlace
 from lightspeed.core.reliability.launched_world import check_launched_world, external_launcher
 from lightspeed.core.reliability.node_local import describe_position, node_local_path
 from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
@@ -26,6 +27,7 @@ from lightspeed.core.zero.compile import (
     CompileRequest,
     check_compile_supported,
     compile_engine,
+    compile_request,
     prepare_zero3_for_compile,
 )
 from lightspeed.core.zero.config import TrainingFacts, describe_config, resolve_config_with_notes
@@ -85,28 +87,49 @@ class ZeroSession:
         self._pending_norm: torch.Tensor | None = None  # returned by clip_at_step, filled in by the next step
         self._placement: tuple[str, int | None, int] | None = None  # set by start_process
 
+    @classmethod
+    def from_arguments(
+        cls,
+        config: dict[str, Any],
+        arguments: Mapping[str, Any],
+        owner: str,
+        front_end: str,
+        info: Callable[[str], None],
+    ) -> ZeroSession:
+        """The session of a front end built with ``arguments`` (its constructor's, by name; left out: the defaults):
+        ``compile``, ``compile_kwargs``, ``activation_checkpointing_policy`` (already parsed), ``node_local_storage``
+        and ``exclude_frozen_parameters``. ``owner`` names the strategy class in messages."""
+        return cls(
+            config,
+            compile=compile_request(arguments.get("compile", False), arguments.get("compile_kwargs"), owner),
+            activation_checkpointing_policy=arguments.get("activation_checkpointing_policy"),
+            node_local_storage=arguments.get("node_local_storage", False),
+            exclude_frozen_parameters=arguments.get("exclude_frozen_parameters", False),
+            front_end=front_end,
+            info=info,
+        )
+
     @property
     def node_local_storage(self) -> bool:
         """Whether each node keeps its ranks' checkpoint files on its own disk (no shared filesystem)."""
         return bool(self.config.get("checkpoint", {}).get("use_node_local_storage", False))
 
     # ------------------------------------------------------------------ before any process starts, in each process
-    def check_before_launch(
-        self, device_kind: str, precision: str, environment: object, num_nodes: int, num_processes: int
-    ) -> None:
+    def check_before_launch(self, device_kind: str, precision: str, launch: ProcessPlace) -> None:
         """What must fail before any process starts (precision, compilation, the launched world's layout), and the
         environment every rank inherits (DeepSpeed's accelerator)."""
         check_precision_supported(device_kind, precision)
         if self.compile_request is not None:
             check_compile_supported(self.compile_request, self.config, device_kind)
         export_deepspeed_accelerator(device_kind)
-        check_launched_world(*external_launcher(environment), num_nodes, num_processes, front_end=self.front_end)
+        launcher = external_launcher(launch.cluster_environment)
+        check_launched_world(*launcher, launch.num_nodes, launch.num_processes, front_end=self.front_end)
 
-    def start_process(self, device_kind: str, device_index: int | None, local_rank: int) -> None:
-        """In each process, before its process group exists: where its engines run (``device_index``: the CUDA
-        index, None on the CPU), DeepSpeed's accelerator and ops, and the filter of known third-party deprecation
-        floods (until :meth:`end_process`)."""
-        self._placement = (device_kind, device_index, local_rank)
+    def start_process(self, device_kind: str, process: ProcessPlace) -> None:
+        """In each process, before its process group exists: where its engines run (the CUDA index of
+        ``process.root_device``; none on the CPU), DeepSpeed's accelerator and ops, and the filter of known
+        third-party deprecation floods (until :meth:`end_process`)."""
+        self._placement = (device_kind, process.root_device.index, process.local_rank)
         third_party_warnings.install()
         prepare_deepspeed_process(device_kind, config_uses_nvme(self.config))
 
@@ -224,21 +247,18 @@ class ZeroSession:
         path: str,
         client_state: dict[str, Any],
         *,
-        broadcast: Callable[[Any], Any],
-        world_size: int,
-        node_rank: int,
-        local_rank: int,
+        process: ProcessPlace,
         progress: dict[str, Any],
     ) -> None:
         """Save ``engine`` and ``client_state`` through DeepSpeed into a staging directory, committed only when every
         rank finished (on node-local storage, this node's part, with its position)."""
-        node = describe_position(node_rank, local_rank) if self.node_local_storage else None
+        node = describe_position(process.node_rank, process.local_rank) if self.node_local_storage else None
         save_zero_checkpoint(
             self.saver,
             engine,
-            self.checkpoint_path(path, broadcast),
+            self.checkpoint_path(path, process.broadcast),
             client_state,
-            world_size=world_size,
+            world_size=process.world_size,
             config=self.config,
             exclude_frozen_parameters=self.exclude_frozen_parameters,
             manifest_extra=progress,

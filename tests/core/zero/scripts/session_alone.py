@@ -24,6 +24,17 @@ from lightspeed.core.zero.session import ZeroSession
 from lightspeed.export import export_checkpoint, load_exported
 
 
+class OneProcess:
+    """The one process of this job, as the session asks a front end's strategy for it."""
+
+    world_size, node_rank, local_rank = 1, 0, 0  # read as the strategies' read-only properties
+    num_nodes, num_processes, cluster_environment = 1, 1, None
+    root_device = torch.device("cpu")
+
+    def broadcast(self, obj: object, src: int = 0) -> object:
+        return obj
+
+
 def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
@@ -45,8 +56,8 @@ def main(out: Path, stage: int) -> None:
         front_end="Fabric",
         info=logged.append,
     )
-    session.check_before_launch("cpu", "32-true", None, 1, 1)
-    session.start_process("cpu", None, 0)
+    session.check_before_launch("cpu", "32-true", OneProcess())
+    session.start_process("cpu", OneProcess())
     dist.init_process_group("gloo", rank=0, world_size=1)
     facts = TrainingFacts(
         world_size=1,
@@ -73,10 +84,7 @@ def main(out: Path, stage: int) -> None:
         engine,
         str(out / "ckpt"),
         {"note": "client state"},
-        broadcast=lambda value: value,
-        world_size=1,
-        node_rank=0,
-        local_rank=0,
+        process=OneProcess(),
         progress={"global_step": int(engine.global_steps)},
     )
     export_checkpoint(out / "ckpt", out / "export")

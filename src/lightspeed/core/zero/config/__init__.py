@@ -25,6 +25,7 @@ from lightspeed.core.zero.config.zero_recipe import (
     config_offloads_optimizer,
     config_stage,
     config_uses_nvme,
+    zero_registrations,
 )
 
 __all__ = [
@@ -53,4 +54,5 @@ __all__ = [
     "resolve_nvme_path",
     "validate_keys",
     "zero_preset",
+    "zero_registrations",
 ]

@@ -5,7 +5,8 @@ own (:meth:`ModelRecipe.for_model` with that model's :class:`ModelOptions`, :fun
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,27 @@ from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config.choices import check_zero_stage, offload_target
 from lightspeed.core.zero.config.zero_recipe import ZeroTuning, build_zero_config
 
-__all__ = ["ModelOptions", "ModelRecipe", "model_recipes"]
+__all__ = ["ModelOptions", "ModelRecipe", "arguments_outside_recipe", "model_recipes"]
+
+#: the constructor arguments a :class:`ModelRecipe` reads (:meth:`ModelRecipe.from_arguments`)
+RECIPE_ARGUMENTS = frozenset(
+    {"stage", "offload_optimizer", "offload_parameters", "nvme_path", "config"}
+    | {field.name for field in dataclasses.fields(ZeroTuning)}
+)
+
+
+def arguments_outside_recipe(arguments: Mapping[str, Any], *functions: Callable[..., Any]) -> dict[str, Any]:
+    """Those of a front end's constructor ``arguments`` (by name) that ``functions`` take and the recipe does not
+    read: what a strategy hands to the framework's own constructor, which must not see the ZeRO arguments again (the
+    config built from them is the one in force)."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    taken = {
+        name
+        for function in functions
+        for name, parameter in inspect.signature(function).parameters.items()
+        if parameter.kind in named and name != "self"
+    }
+    return {name: value for name, value in arguments.items() if name in taken - RECIPE_ARGUMENTS}
 
 
 @dataclass(frozen=True)

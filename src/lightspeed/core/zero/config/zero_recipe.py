@@ -76,6 +76,16 @@ ZERO_PRESETS: dict[str, ZeroPreset] = {
     ),
 }
 
+#: what ``zero_auto`` stands for, in every front end's registry
+ZERO_AUTO_DESCRIPTION = "ZeRO with the fastest stage/offload that fits the model in this machine's memory"
+
+
+def zero_registrations(zero: type, zero_auto: type) -> list[tuple[str, type, str, dict[str, Any]]]:
+    """Every ZeRO strategy name a front end registers, as ``(name, class, description, constructor arguments)``:
+    the presets with the front end's ``zero`` strategy class, and ``zero_auto`` with its ``zero_auto`` class."""
+    entries = [(name, zero, preset.description, preset.init_params()) for name, preset in ZERO_PRESETS.items()]
+    return [*entries, ("zero_auto", zero_auto, ZERO_AUTO_DESCRIPTION, {})]
+
 
 #: the ZeroTuning knobs that go into zero_preset
 _PRESET_KNOBS = (

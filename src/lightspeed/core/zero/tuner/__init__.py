@@ -3,44 +3,18 @@ in the run's own processes, pick the fastest, and remember the decision (:mod:`.
 :mod:`.decision`, :mod:`.copies`)."""
 
 from lightspeed.core.zero.tuner.batches import first_batches, rebatched
-from lightspeed.core.zero.tuner.cache import DEFAULT_CACHE_PATH, TuningCache, TuningKey
+from lightspeed.core.zero.tuner.cache import DEFAULT_CACHE_PATH
 from lightspeed.core.zero.tuner.copies import copy_module_and_optimizer
-from lightspeed.core.zero.tuner.decision import (
-    TrialParts,
-    TuneRequest,
-    TuneResult,
-    candidates_from_plan,
-    micro_batch_choices,
-    tune,
-    zero_auto_requests,
-)
-from lightspeed.core.zero.tuner.trials import (
-    BUCKET_VARIANTS,
-    Candidate,
-    Trial,
-    TrialSetup,
-    deepspeed_engine_builder,
-    format_trials,
-)
+from lightspeed.core.zero.tuner.decision import TrialParts, TuneRequest, micro_batch_choices, zero_auto_requests
 
+# what the front ends, the CLI and the tests take from the package; the rest is imported from its module
 __all__ = [
-    "BUCKET_VARIANTS",
     "DEFAULT_CACHE_PATH",
-    "Candidate",
-    "Trial",
     "TrialParts",
-    "TrialSetup",
     "TuneRequest",
-    "zero_auto_requests",
-    "TuneResult",
-    "TuningCache",
-    "TuningKey",
-    "candidates_from_plan",
     "copy_module_and_optimizer",
-    "deepspeed_engine_builder",
     "first_batches",
-    "format_trials",
     "micro_batch_choices",
     "rebatched",
-    "tune",
+    "zero_auto_requests",
 ]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lightspeed.core.common.distributed import global_rank, is_distributed
+from lightspeed.core.common.process import ProcessPlace
 from lightspeed.core.errors import MemoryPlanError
 from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.config import AUTO
@@ -307,11 +308,21 @@ class TrialParts:
     loss: Callable[[torch.nn.Module, Any, int], torch.Tensor]
     take_batches: Callable[[int, int | None], list[Any]]
     micro_batch: int | None
-    device: torch.device
-    local_rank: int
-    world_size: int
+    process: ProcessPlace
     precision: str
     accumulation: int = 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.process.root_device
+
+    @property
+    def local_rank(self) -> int:
+        return self.process.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.process.world_size
 
 
 def zero_auto_requests(arguments: Mapping[str, Any], front_end: str) -> tuple[ZeroAutoRequest, TuneRequest]:
@@ -337,4 +348,5 @@ def zero_auto_requests(arguments: Mapping[str, Any], front_end: str) -> tuple[Ze
         kwargs=arguments["kwargs"],
         front_end=front_end,
     )
+    tune_request.check_config(request.user_config)
     return request, tune_request
