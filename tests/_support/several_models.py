@@ -51,21 +51,25 @@ def gan_steps(epochs: int) -> list[list[list[int]]]:
     return [ranks for epoch in range(epochs) for ranks in rank_batches(n, 2, BATCH, epoch=epoch)]
 
 
-def gan_reference(epochs: int) -> dict[str, torch.Tensor]:
-    """The GAN after ``epochs`` epochs in one process, each step on both ranks' batches at once."""
+def gan_reference(epochs: int, generator_first: bool = False) -> dict[str, torch.Tensor]:
+    """The GAN after ``epochs`` epochs in one process, each step on both ranks' batches at once: the discriminator's
+    step first, or the generator's (as in Lightning's basic GAN example)."""
     g, d = make_generator(), make_discriminator()
     opt_g, opt_d = gan_optimizers(g, d)
     real, noise = gan_data().tensors
     for ranks in gan_steps(epochs):
         index = torch.tensor([i for rank in ranks for i in rank])
-        opt_d.zero_grad()
-        discriminator_loss(d, g, real[index], noise[index]).backward()
-        opt_d.step()
-        d.requires_grad_(False)
-        opt_g.zero_grad()
-        generator_loss(d, g, noise[index]).backward()
-        opt_g.step()
-        d.requires_grad_(True)
+        for which in ("generator", "discriminator") if generator_first else ("discriminator", "generator"):
+            if which == "discriminator":
+                opt_d.zero_grad()
+                discriminator_loss(d, g, real[index], noise[index]).backward()
+                opt_d.step()
+            else:
+                d.requires_grad_(False)
+                opt_g.zero_grad()
+                generator_loss(d, g, noise[index]).backward()
+                opt_g.step()
+                d.requires_grad_(True)
     return {
         **{f"generator.{k}": v for k, v in g.state_dict().items()},
         **{f"discriminator.{k}": v for k, v in d.state_dict().items()},

@@ -37,6 +37,16 @@ def test_a_gan_with_one_engine_per_model_trains_like_one_process(run: tuple[Path
     assert (want["generator.0.weight"] - start).abs().max() > 1e-3  # training moved the weights
 
 
+def test_a_gan_whose_generator_steps_first_through_the_frozen_discriminator_trains_like_one_process(
+    run: tuple[Path, dict[str, Any]],
+) -> None:
+    """Lightning's basic GAN order, ``ZeroStrategy(stage=2, models=["generator", "discriminator"])``: the generator's
+    loss runs through the discriminator's engine while its parameters are off; DeepSpeed's ZeRO-2 backward epilogue of
+    that engine used to crash."""
+    _, result = run
+    sm.close(result["gan"]["generator_first"], sm.gan_reference(sm.EPOCHS, generator_first=True), "generator first")
+
+
 def test_a_gan_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(run: tuple[Path, dict[str, Any]]) -> None:
     _, result = run
     gan = result["gan"]

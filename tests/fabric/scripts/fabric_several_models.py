@@ -58,6 +58,27 @@ def gan_epochs(fabric: L.Fabric, g: Any, d: Any, opt_g: Any, opt_d: Any, epochs:
         d.requires_grad_(True)
 
 
+def generator_first_gan(fabric: L.Fabric) -> dict[str, torch.Tensor]:
+    """Both models under the strategy's ZeRO-2, the generator's step first, its loss through the frozen
+    discriminator's engine."""
+    g, d = sm.make_generator(), sm.make_discriminator()
+    opt_g, opt_d = sm.gan_optimizers(g, d)
+    g, opt_g = fabric.setup(g, opt_g)
+    d, opt_d = fabric.setup(d, opt_d)
+    real, noise = sm.gan_data().tensors
+    for ranks in sm.gan_steps(sm.EPOCHS):
+        index = torch.tensor(ranks[fabric.global_rank])
+        d.requires_grad_(False)
+        opt_g.zero_grad()
+        fabric.backward(sm.generator_loss(d, g, noise[index]), model=g)
+        opt_g.step()
+        d.requires_grad_(True)
+        opt_d.zero_grad()
+        fabric.backward(sm.discriminator_loss(d, g, real[index], noise[index]), model=d)
+        opt_d.step()
+    return gan_weights(g, d)
+
+
 def gan_weights(g: Any, d: Any) -> dict[str, torch.Tensor]:
     return {
         **{f"generator.{k}": v for k, v in full_state_dict(engine_module(g)).items()},
@@ -93,6 +114,7 @@ def gan_runs(fabric: L.Fabric, out: Path) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - reported to the test
         errors["setup_twice"] = f"{type(err).__name__}: {err}"
     result["errors"] = errors
+    result["generator_first"] = generator_first_gan(fabric)
     return result
 
 

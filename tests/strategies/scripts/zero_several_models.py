@@ -56,9 +56,29 @@ class GAN(L.LightningModule):
         return list(sm.gan_optimizers(self.generator, self.discriminator))
 
 
-def trainer(max_epochs: int, callbacks: list[Any] | None = None) -> L.Trainer:
+class GeneratorFirstGAN(GAN):
+    """Lightning's basic GAN example: the generator's step first, each step between toggle and untoggle."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        real, noise = batch
+        opt_g, opt_d = self.optimizers()  # type: ignore[misc]
+        self.toggle_optimizer(opt_g)  # the discriminator's parameters are off while its forward is in the loss
+        g_loss = sm.generator_loss(self.discriminator, self.generator, noise)
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        d_loss = sm.discriminator_loss(self.discriminator, self.generator, real, noise)
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+
+
+def trainer(max_epochs: int, callbacks: list[Any] | None = None, models: Any = GAN_MODELS) -> L.Trainer:
     return quiet_trainer(
-        strategy=lightspeed.strategies.ZeroStrategy(stage=2, models=GAN_MODELS),
+        strategy=lightspeed.strategies.ZeroStrategy(stage=2, models=models),
         accelerator="cpu",
         devices=2,
         max_epochs=max_epochs,
@@ -83,6 +103,9 @@ def gan_runs(out: Path) -> dict[str, Any]:
     ckpt = out / "gan.ckpt"
     result["checkpoint_dirs"] = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
     result["manifest"] = json.loads((ckpt / "lightspeed_complete.json").read_text())
+    module = GeneratorFirstGAN()  # both models under ZeRO-2, named in a list
+    trainer(sm.EPOCHS, models=["generator", "discriminator"]).fit(module, loader)
+    result["generator_first"] = full_state_dict(module)
     return result
 
 

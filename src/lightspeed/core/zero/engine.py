@@ -127,7 +127,28 @@ def initialize_engine(
         lr_scheduler=lr_scheduler,
         dist_init_required=False,
     )
+    if trains and config_stage(config) != 3:
+        run_alone_while_switched_off(engine)
     return engine, deepspeed_optimizer, scheduler
+
+
+def run_alone_while_switched_off(engine: Any) -> None:
+    """Make ``engine(...)`` call its module directly while every parameter of the module is switched off.
+
+    DeepSpeed's engine forward prepares the backward of what it returns for the engine's own parameters (ZeRO's
+    backward prologue and epilogue). With all of them switched off (``toggle_optimizer`` of another model: a GAN's
+    generator loss through the discriminator), the loss trains none of them, and ZeRO-1/2's epilogue would reduce an
+    empty bucket when the loss flows back through the engine (an ``IndexError`` inside DeepSpeed). A ZeRO-3 engine
+    keeps its forward, which gathers the partitioned weights (and handles an empty epilogue)."""
+    engine_forward = engine.forward
+    module = engine.module
+
+    def forward(*inputs: Any, **kwargs: Any) -> Any:
+        if any(parameter.requires_grad for parameter in module.parameters()):
+            return engine_forward(*inputs, **kwargs)
+        return module(*inputs, **kwargs)
+
+    engine.forward = forward
 
 
 def save_zero_checkpoint(
