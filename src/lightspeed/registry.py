@@ -10,7 +10,9 @@
   still whole (:func:`~lightspeed.core.reliability.process_group.release_other_gloo_group`);
 * the precision plugin: an ``accelerator="xla"`` run gets lightspeed's :class:`~lightspeed.plugins.XLAPrecision`
   and an XLA strategy (:mod:`lightspeed.strategies.xla_routing`), and Lightning's TPU probe no longer calls the
-  TPU metadata server off TPUs.
+  TPU metadata server off TPUs;
+* the log switch: ``LIGHTSPEED_LOG_LEVEL`` sets the level of the ``lightspeed`` logger
+  (:func:`~lightspeed.core.common.logs.configure_from_environment`).
 
 Registering again replaces lightspeed's own entries and changes nothing else (idempotent). torch_xla and DeepSpeed
 are not imported.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from lightning.pytorch.accelerators import AcceleratorRegistry
 
+from lightspeed.core.common.logs import configure_from_environment
 from lightspeed.core.reliability.process_group import register_exit_cleanup
 from lightspeed.core.zero.runtime import use_prebuilt_deepspeed_ops
 from lightspeed.fabric.registration import register_fabric_strategies
@@ -33,6 +36,7 @@ __all__ = ["register_all"]
 def register_all() -> None:
     """Register lightspeed's strategies (Trainer and Fabric), accelerator and precision routing with Lightning
     (idempotent)."""
+    configure_from_environment()  # LIGHTSPEED_LOG_LEVEL, checked before anything else
     use_prebuilt_deepspeed_ops()  # before DeepSpeed builds anything: the venv's prebuilt ops, not a rebuild
     register_exit_cleanup()  # gloo groups (lightspeed's or Lightning's ddp beside a lightspeed callback) end cleanly
     register_trainer_strategies()

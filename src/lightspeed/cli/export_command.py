@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    if not args.quiet and sys.stdout.isatty():
+    if not args.quiet:  # the result line also when piped or logged (only the progress bar needs a terminal)
         print(
             f"wrote {result.num_tensors} tensors ({result.total_bytes / 1e6:.1f} MB) in {len(result.files)} file(s) "
             f"to {result.output_dir}"

@@ -15,16 +15,18 @@ SCRIPT = REPO_ROOT / "tests" / "core" / "zero" / "scripts" / "session_alone.py"
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_session_without_lightning_trains_saves_and_exports_like_plain_torch(tmp_path: Path, stage: int) -> None:
-    run_python(
-        SCRIPT,
-        [tmp_path, stage],
-        env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"},
-        timeout=600,
-    )
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    env["LIGHTSPEED_LOG_LEVEL"] = "debug"  # the whole config at DEBUG, on stderr
+    proc = run_python(SCRIPT, [tmp_path, stage], env=env, timeout=600)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["difference"] <= 1e-6, result["difference"]
     assert result["global_steps"] == 4
     assert "lightspeed_complete.json" in result["committed"], result["committed"]
     assert not list(tmp_path.glob(".*staging*")), list(tmp_path.iterdir())
-    assert len(result["logged"]) == 1 and result["logged"][0].startswith("lightspeed: resolved DeepSpeed config")
-    assert f'"stage": {stage}' in result["logged"][0]
+    # one INFO line sums the config up; the whole config goes to the `lightspeed` logger at DEBUG, here switched on
+    assert result["logged"] == [
+        f"lightspeed: DeepSpeed config: ZeRO-{stage}, micro-batch 4 x 1 accumulated, fp32, no clipping (the whole "
+        "config: LIGHTSPEED_LOG_LEVEL=DEBUG; saved as ds_config.json in every checkpoint)"
+    ]
+    assert "lightspeed DEBUG: resolved DeepSpeed config\n{" in proc.stderr, proc.stderr
+    assert f'"stage": {stage}' in proc.stderr

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from lightspeed.core.common.distributed import global_rank
+from lightspeed.core.common.logs import LOG_LEVEL_ENV, logger
 from lightspeed.core.common.process import ProcessPlace
 from lightspeed.core.reliability.launched_world import check_launched_world, external_launcher
 from lightspeed.core.reliability.node_local import describe_position, node_local_path
@@ -30,7 +32,7 @@ from lightspeed.core.zero.compile import (
     compile_request,
     prepare_zero3_for_compile,
 )
-from lightspeed.core.zero.config import TrainingFacts, describe_config, resolve_config_with_notes
+from lightspeed.core.zero.config import TrainingFacts, describe_config, resolve_config_with_notes, summarize_config
 from lightspeed.core.zero.config.activation import Policy
 from lightspeed.core.zero.config.zero_recipe import (
     config_offloads_optimizer,
@@ -150,7 +152,12 @@ class ZeroSession:
             return
         for note in notes:
             self._info(f"lightspeed: {note}")
-        self._info(f"lightspeed: resolved DeepSpeed config\n{describe_config(self.config)}")
+        self._info(
+            f"lightspeed: DeepSpeed config: {summarize_config(self.config)} (the whole config: {LOG_LEVEL_ENV}=DEBUG; "
+            "saved as ds_config.json in every checkpoint)"
+        )
+        if global_rank() == 0:
+            logger.debug("resolved DeepSpeed config\n%s", describe_config(self.config))
         self._config_logged = True
 
     # ------------------------------------------------------------------ torch.compile

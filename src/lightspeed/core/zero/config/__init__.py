@@ -9,6 +9,7 @@ from lightspeed.core.zero.config.loading import (
     config_or_environment,
     describe_config,
     load_user_config,
+    summarize_config,
 )
 from lightspeed.core.zero.config.merging import merge_configs
 from lightspeed.core.zero.config.model_introspection import find_hidden_size
@@ -52,6 +53,7 @@ __all__ = [
     "resolve_config",
     "resolve_config_with_notes",
     "resolve_nvme_path",
+    "summarize_config",
     "validate_keys",
     "zero_preset",
     "zero_registrations",

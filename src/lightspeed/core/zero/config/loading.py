@@ -114,3 +114,23 @@ def _json_kind(value: Any) -> str:
 def describe_config(config: dict) -> str:
     """Pretty, key-sorted JSON of a config, for logging what DeepSpeed will actually receive."""
     return json.dumps(config, indent=2, sort_keys=True, default=str)
+
+
+def summarize_config(config: dict) -> str:
+    """One line with what a person checks first in a resolved config: the ZeRO stage, where optimizer states and
+    parameters live, the micro-batch and accumulation, the precision and clipping."""
+    zero = config.get("zero_optimization") or {}
+    parts = [f"ZeRO-{zero.get('stage', 0)}"]
+    for section, what in (("offload_optimizer", "optimizer states"), ("offload_param", "parameters")):
+        device = (zero.get(section) or {}).get("device", "none")
+        if device != "none":
+            parts.append(f"{what} on {device}")
+    parts.append(
+        f"micro-batch {config.get('train_micro_batch_size_per_gpu', '?')} x "
+        f"{config.get('gradient_accumulation_steps', 1)} accumulated"
+    )
+    enabled = [name for name in ("bf16", "fp16") if (config.get(name) or {}).get("enabled") is True]
+    parts.append(enabled[0] if enabled else "fp32")
+    clipping = config.get("gradient_clipping") or 0
+    parts.append(f"clipping at {clipping:g}" if clipping else "no clipping")
+    return ", ".join(parts)
