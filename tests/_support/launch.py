@@ -105,10 +105,12 @@ def run_python(
     env: dict[str, str] | None = None,
     timeout: float = 900,
     check: bool = True,
+    cwd: Path = REPO_ROOT,
 ) -> subprocess.CompletedProcess:
-    """Run ``script`` as a plain process; a Trainer inside with ``devices=N`` uses Lightning's own launcher."""
+    """Run ``script`` as a plain process (in ``cwd``); a Trainer inside with ``devices=N`` uses Lightning's own
+    launcher."""
     extra = {"MASTER_PORT": str(free_port())}
     extra.update(env or {})
     cmd = [sys.executable, str(script), *map(str, args)]
-    proc = subprocess.run(cmd, env=child_env(extra), capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+    proc = subprocess.run(cmd, env=child_env(extra), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     return _check(proc, f"python {Path(script).name}") if check else proc
