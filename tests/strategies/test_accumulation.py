@@ -23,6 +23,7 @@ _spec.loader.exec_module(cases)
 
 TOL = dict(rtol=0.0, atol=1e-6)
 ZERO = ("zero1", "zero2", "zero3")
+OFFLOAD = ("zero2_offload", "zero3_offload")
 
 
 def case(name, task, batch_size, accumulate, lr, epochs=1, strategy="ddp_exact", **extra):
@@ -70,7 +71,7 @@ CASES = {
         case("iterable", "regression", 1, 4, 0.1, iterable=True),
         case("tokens", "tokens", 2, 4, 0.1, return_num_items=True),  # 6 batches per rank, windows 4,2
         *[case(f"{z}_toy_b4_n1", "toy", 4, 1, 0.02, strategy=z) for z in ZERO],
-        *[case(f"{z}_toy_b1_n4", "toy", 1, 4, 0.02, strategy=z) for z in ZERO],
+        *[case(f"{z}_toy_b1_n4", "toy", 1, 4, 0.02, strategy=z) for z in ZERO + OFFLOAD],
         *[case(f"{z}_scheduler", "regression", 1, 4, 0.05, epochs=2, scheduler="steps", strategy=z) for z in ZERO],
         case("zero3_tokens", "tokens", 2, 4, 0.1, return_num_items=True, strategy="zero3"),
         *[case(f"{z}_bf16", "regression", 1, 4, 0.05, precision="bf16-mixed", strategy=z) for z in ("zero1", "zero3")],
@@ -120,7 +121,7 @@ def assert_hooks_and_scheduler_once_per_step(results, world_size: int, name: str
 
 TOY = [(1, "toy_b8_n1"), (1, "toy_b2_n4"), (2, "toy_b4_n1"), (2, "toy_b1_n4"), (2, "toy_b2_n2")]
 TOY += [(1, f"{z}_toy_b8_n1") for z in ZERO] + [(1, f"{z}_toy_b2_n4") for z in ZERO]
-TOY += [(2, f"{z}_toy_b4_n1") for z in ZERO] + [(2, f"{z}_toy_b1_n4") for z in ZERO]
+TOY += [(2, f"{z}_toy_b4_n1") for z in ZERO] + [(2, f"{z}_toy_b1_n4") for z in ZERO + OFFLOAD]
 
 
 @pytest.mark.parametrize(("world_size", "name"), TOY)
@@ -129,6 +130,25 @@ def test_classic_toy_equals_one_full_batch_step(results, world_size, name):
     assert steps == 1
     torch.testing.assert_close(expected["weight"], torch.tensor([[2.04]]), **TOL)  # w = 0.02 * 4 * mean(x^2)
     torch.testing.assert_close(results[world_size][name]["state_dict"]["weight"], expected["weight"], **TOL)
+
+
+#: windows of full micro-batches, the short last window of an epoch included
+VISIBLE = [(1, f"{z}_toy_b2_n4") for z in ZERO] + [(2, f"{z}_toy_b1_n4") for z in ZERO + OFFLOAD]
+VISIBLE += [(2, f"{z}_scheduler") for z in ZERO] + [(1, "uneven"), (2, "uneven")]
+
+
+@pytest.mark.parametrize(("world_size", "name"), VISIBLE)
+def test_gradients_read_before_the_step_are_the_big_batch_gradient(results, world_size, name):
+    """What ``on_before_optimizer_step`` reads (``deepspeed.utils.safe_get_full_grad`` under ZeRO, ``.grad`` under
+    ``ddp_exact``) is the window's big-batch gradient, also for an epoch's short last window: under ZeRO the
+    micro-batches are weighted relative to the window's expected samples, so nothing is left to rescale later."""
+    want = cases.reference_gradients(find(world_size, name), world_size)
+    got = results[world_size][name]["hook_grads"]
+    assert len(got) == len(want) > 0
+    for step, (seen, expected) in enumerate(zip(got, want, strict=True)):
+        assert sorted(seen) == sorted(expected)
+        for key, value in expected.items():
+            torch.testing.assert_close(seen[key], value, rtol=1e-6, atol=1e-6, msg=f"step {step}, {key}")
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -222,7 +242,7 @@ def test_zero1_reduces_gradients_once_per_window_and_not_in_between(results):
     assert all(calls == [] for calls in inside)  # non-boundary micro-batches: no communication at all
     for calls in boundary:
         assert len(_gradient_reductions(calls)) == 1, calls  # the whole (one-bucket) model, once per window
-        assert calls.count("all_reduce:float64:3") == 1  # the window's item count
+        assert calls.count("all_reduce:float64:4") == 1  # the window's item count
 
 
 @pytest.mark.parametrize("name", ["zero2_scheduler", "zero3_scheduler"])
@@ -231,8 +251,8 @@ def test_zero2_and_zero3_reduce_every_micro_batch_by_design(results, name):
     boundary, inside = _collectives_by_role(results[2][name])
     assert len(boundary) == 6 and len(inside) == 14
     assert all(len(_gradient_reductions(calls)) == 1 for calls in boundary + inside)
-    assert all(calls.count("all_reduce:float64:3") == 1 for calls in boundary)
-    assert all("all_reduce:float64:3" not in calls for calls in inside)
+    assert all(calls.count("all_reduce:float64:4") == 1 for calls in boundary)
+    assert all("all_reduce:float64:4" not in calls for calls in inside)
 
 
 def test_sync_with_dataloader_false_accepts_full_windows(results):

@@ -11,6 +11,10 @@ every ``N``-th micro-batch or the last one of the epoch, and runs the other micr
   a mean over ``b`` samples);
 * ``optimizer_step``: after the boundary micro-batch's backward (gradients synced), all-reduces the window's item
   count once and multiplies the gradients by ``W / T`` before ``on_before_optimizer_step`` and clipping see them.
+  Strategies that know the configured micro-batch size (:meth:`_exact_micro_batch_size`, the ZeRO family) weigh each
+  micro-batch relative to the window's expected samples instead (its micro-batches, fewer for an epoch's known short
+  last window, times that size), so a window of configured micro-batches has the factor 1 and its gradients are
+  exact already when backward ends.
 
 The result is the gradient of the mean loss over every item the window saw on every rank (proof in
 :mod:`lightspeed.core.accumulation.exact`), for full windows, the short last window of an epoch and uneven items.
@@ -106,6 +110,11 @@ class ExactAccumulationMixin(StrategyBase):
         """Multiply the accumulated, synced gradients by ``factor``."""
         scale_gradients((p for group in optimizer.param_groups for p in group["params"]), factor)
 
+    def _exact_micro_batch_size(self) -> int | None:
+        """The micro-batch size every rank is configured with, weights are taken relative to (None: plain counts;
+        the factor is then applied to every window)."""
+        return None
+
     # ------------------------------------------------------------ the hooks
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -129,7 +138,22 @@ class ExactAccumulationMixin(StrategyBase):
         if loss is None:
             return  # skipped step; Lightning reports a dict without "loss" itself
         num_samples = count_samples(batch) if num_items is None else None
-        self._exact_multiplier = accumulator.record(loss, num_items, num_samples, normalized_by=accumulate)
+        micro_batch = self._exact_micro_batch_size()
+        window_items = self._exact_window_length(trainer) * micro_batch if micro_batch else None
+        self._exact_multiplier = accumulator.record(
+            loss, num_items, num_samples, normalized_by=accumulate, window_items=window_items
+        )
+
+    @staticmethod
+    def _exact_window_length(trainer: pl.Trainer) -> int:
+        """Micro-batches the current window holds: ``accumulate_grad_batches``, fewer for the short last window of an
+        epoch whose length is known (the same on every rank)."""
+        accumulate = trainer.accumulate_grad_batches
+        batches = trainer.num_training_batches
+        if not isinstance(batches, int):  # inf: an iterable without length; its short window gets its factor
+            return accumulate
+        start = trainer.fit_loop.epoch_loop.batch_idx // accumulate * accumulate
+        return max(1, min(accumulate, batches - start))
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -188,7 +212,8 @@ class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin, DeepSpeedStrategyB
       in ``block_backward_sync`` with the boundary off, so ZeRO-1 does not reduce them; ZeRO-2/3 reduce-scatter
       every micro-batch by DeepSpeed's design (each rank keeps only its gradient partition).
     * ``engine.backward`` runs with ``scale_wrt_gas=False``: the mixin does the weighting itself.
-    * The window factor ``W / T`` is applied through the ZeRO optimizer's loss scale for that one step
+    * The window factor ``W / T`` (exactly 1 for a full window of configured micro-batches: nothing to do) is
+      applied through the ZeRO optimizer's loss scale for that one step
       (:func:`scale_deepspeed_gradients_at_step`).
     """
 
@@ -224,6 +249,13 @@ class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin, DeepSpeedStrategyB
         if self._exact_active():
             kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def _exact_micro_batch_size(self) -> int | None:
+        # the resolved config's, the same on every rank: full windows of such micro-batches need no factor, so the
+        # partitioned gradients are right when backward ends and DeepSpeed's step does not rescale them
+        size = self._engines_in_window()[0].train_micro_batch_size_per_gpu()
+        return size if isinstance(size, int) and size > 0 else None
 
     @override
     def _exact_scale_gradients(self, optimizer: Optimizer, factor: float) -> None:

@@ -104,6 +104,48 @@ def test_mean_losses_of_uneven_micro_batches_weigh_by_sample_count(normalized_by
         torch.testing.assert_close(got, expected, **TOL)
 
 
+@pytest.mark.parametrize("normalized_by", [1, 4])
+def test_weights_relative_to_a_full_window_need_no_factor(normalized_by):
+    """``window_items``: a full window of configured micro-batches gets multipliers and a factor of exactly 1 (the
+    gradients are right when backward ends); a window holding fewer samples still gets its exact factor."""
+    x, y = _data(8)
+    accumulator = ExactAccumulator()
+    multipliers = []
+    for start in range(0, 8, 2):
+        loss = nn.functional.mse_loss(_model()(x[start : start + 2]), y[start : start + 2]) / normalized_by
+        multipliers.append(accumulator.record(loss, num_samples=2, normalized_by=normalized_by, window_items=8))
+    assert multipliers == [normalized_by / 4] * 4 and accumulator.window_factor() == 1.0
+    x, y = _data(9)
+    model = _model()
+    for start in range(0, 9, 2):  # the same expected size, but 2, 2, 2, 2, 1 samples: the factor makes it exact
+        loss = nn.functional.mse_loss(model(x[start : start + 2]), y[start : start + 2])
+        (loss * accumulator.record(loss, num_samples=len(x[start : start + 2]), window_items=10)).backward()
+    assert accumulator.finish_window(model.parameters()) == pytest.approx(10 / 9)
+    for got, expected in zip((p.grad for p in model.parameters()), _full_batch_grads(x, y), strict=True):
+        torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_ranks_or_micro_batches_that_disagree_on_the_window_size_are_an_error():
+    changed = ExactAccumulator()
+    changed.record(torch.tensor(1.0), num_samples=2, window_items=8)
+    with pytest.raises(ValueError, match=r"^window_items changed inside an accumulation window \(8, then 4\)"):
+        changed.record(torch.tensor(1.0), num_samples=2, window_items=4)
+
+    def other_rank_expects_four(tensor):  # a second rank with the same counts but a window of 4 samples
+        other = tensor.clone()
+        other[3] = 4.0
+        return tensor + other
+
+    disagree = ExactAccumulator(world_size=2, all_reduce_sum=other_rank_expects_four)
+    disagree.record(torch.tensor(1.0), num_samples=2, window_items=8)
+    with pytest.raises(
+        ValueError,
+        match=r"^The ranks weighted this accumulation window against different sizes \(this rank: 8 samples per "
+        r"window; all ranks together: 12\)\. Every rank must run the same micro-batch size",
+    ):
+        disagree.window_factor()
+
+
 def test_summed_losses_with_num_items_give_the_mean_over_all_items():
     x, y = _data(9)
     model = _model()

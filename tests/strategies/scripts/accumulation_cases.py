@@ -213,3 +213,26 @@ def reference_training(spec: dict, world_size: int) -> tuple[dict, float, int]:
             if scheduler is not None:
                 scheduler.step()
     return model.state_dict(), optimizer.param_groups[0]["lr"], len(steps) * spec.get("epochs", 1)
+
+
+def reference_gradients(spec: dict, world_size: int) -> list[dict]:
+    """The big-batch gradient of every optimizer step of :func:`reference_training` (before clipping), by name."""
+    data = make_data(spec["task"])
+    model = make_model(spec["task"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    scheduler = None
+    if spec.get("scheduler") == "steps":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step))
+    gradients = []
+    for _ in range(spec.get("epochs", 1)):
+        for indices in windows(len(data[0]), world_size, spec["batch_size"], spec["accumulate"]):
+            optimizer.zero_grad()
+            loss_sum, items = item_loss(spec["task"], model, tuple(t[indices] for t in data))
+            (loss_sum / items).backward()
+            gradients.append({name: p.grad.detach().clone() for name, p in model.named_parameters()})
+            if spec.get("clip"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+    return gradients

@@ -69,6 +69,7 @@ class CaseModule(pl.LightningModule):
         self.in_batch = False  # collectives are counted only inside training batches
         self.collectives: list[list[str]] = []  # per training batch: "op:dtype:numel" of torch.distributed calls
         self.stepped: list[bool] = []  # per training batch: whether the optimizer stepped
+        self.hook_grads: list[dict] = []  # per optimizer step: the gradients on_before_optimizer_step sees
 
     def training_step(self, batch, batch_idx):
         loss_sum, items = item_loss(self.case["task"], self.model, batch)
@@ -91,6 +92,19 @@ class CaseModule(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         self.counts["on_before_optimizer_step"] += 1
+        counting, self.in_batch = self.in_batch, False  # the reads' own collectives are not the strategy's
+        self.hook_grads.append(self._visible_gradients())
+        self.in_batch = counting
+
+    def _visible_gradients(self) -> dict:
+        """The gradients a user reads in on_before_optimizer_step: DeepSpeed's full gradient under ZeRO (a collective
+        under ZeRO-3: every rank reads), ``.grad`` otherwise."""
+        if not self.case["strategy"].startswith("zero"):
+            return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = {n: safe_get_full_grad(p) for n, p in self.model.named_parameters()}
+        return {n: g.detach().float().cpu().clone() for n, g in grads.items() if g is not None}
 
     def optimizer_zero_grad(self, *args, **kwargs):
         self.counts["optimizer_zero_grad"] += 1
@@ -193,6 +207,7 @@ def run_case(case: dict, out_dir: Path) -> None:
         # the models are tiny, so ZeRO-3 keeps every parameter whole (below its persistence threshold)
         "state_dict": {k: v.detach().clone() for k, v in module.model.state_dict().items()},
         "counts": module.counts,
+        "hook_grads": module.hook_grads,
         "global_step": trainer.global_step,
         "lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
         "grad_allreduces": getattr(module, "grad_allreduces", None),

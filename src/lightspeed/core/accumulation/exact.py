@@ -36,6 +36,12 @@ micro-batch has reported its count. That is also why a short window needs no adv
 counts fewer items. If the framework already divided each loss by ``N``, :meth:`ExactAccumulator.record` folds ``N``
 back into the returned multiplier.
 
+Weights relative to a full window (``window_items``): dividing every multiplier by the same ``E`` (the samples one
+rank's full window holds, equal on every rank) and multiplying the factor by ``E`` changes nothing above. With
+``E = N * b`` for ``N`` micro-batches of ``b`` samples, a full window gives ``T = W * E`` and the factor
+``W * E / T = 1``: the synced gradients are the big-batch gradient as soon as backward ends (where hooks read them),
+and there is nothing left to rescale. A short or uneven window still gets its exact factor.
+
 A plain PyTorch loop::
 
     accumulator = ExactAccumulator(world_size=dist.get_world_size())
@@ -148,17 +154,20 @@ class ExactAccumulator:
         self.all_reduce_sum = all_reduce_sum or distributed_sum
         self.gradients_averaged = gradients_averaged
         self._device = torch.device(device) if device is not None else None
-        self._counts: Tensor | None = None  # [items, micro-batches that gave num_items, micro-batches], float64
+        #: [items, micro-batches that gave num_items, micro-batches, the window's expected items], float64
+        self._counts: Tensor | None = None
+        self._expected: float | None = None  # the current window's ``window_items`` (None: not given)
         self.micro_batches = 0  # local micro-batches recorded in the current window (a full-window check reads it)
 
     def start_window(self) -> None:
         """Forget the current window's counts (call where gradients are zeroed)."""
         self._counts = None
+        self._expected = None
         self.micro_batches = 0
 
     def _counter(self, device: torch.device | None) -> Tensor:
         if self._counts is None:
-            self._counts = torch.zeros(3, dtype=torch.float64, device=device or self._device or "cpu")
+            self._counts = torch.zeros(4, dtype=torch.float64, device=device or self._device or "cpu")
         return self._counts
 
     def record(
@@ -167,6 +176,7 @@ class ExactAccumulator:
         num_items: int | float | Tensor | None = None,
         num_samples: int | None = None,
         normalized_by: int = 1,
+        window_items: float | None = None,
     ) -> float:
         """Note one micro-batch and return the multiplier for its loss before backward.
 
@@ -175,9 +185,23 @@ class ExactAccumulator:
             num_items: items the summed loss covers (tokens, ...); a tensor is counted without a host sync.
             num_samples: samples in the micro-batch, weighting a mean loss; ``None`` weighs the micro-batch as 1.
             normalized_by: what the framework already divided ``loss`` by (Lightning: ``accumulate_grad_batches``).
+            window_items: the samples one rank's full window holds (micro-batches x the configured micro-batch size),
+                the same on every rank and for the whole window. Weights are taken relative to it, so a full window
+                of equal micro-batches needs no gradient factor at all (:meth:`window_factor` returns exactly 1):
+                the gradients are right as soon as backward ends, where hooks read them, and nothing rescales them.
+                Ignored for micro-batches with ``num_items``.
         """
         check_scalar_loss(loss)
         counts = self._counter(loss.device)
+        if num_items is None and window_items is not None:
+            if self._expected is None:
+                self._expected = float(window_items)
+                counts[3] += self._expected
+            elif self._expected != float(window_items):
+                raise ValueError(
+                    f"window_items changed inside an accumulation window ({self._expected:g}, then {window_items:g}); "
+                    "it must stay the same until the window's factor is taken."
+                )
         if num_items is not None:
             if isinstance(num_items, Tensor):
                 if num_items.numel() != 1:
@@ -203,17 +227,26 @@ class ExactAccumulator:
             counts[0] += weight
         counts[2] += 1
         self.micro_batches += 1
+        if num_items is None and self._expected:
+            return float(normalized_by) * weight / self._expected
         return float(normalized_by) * weight
 
     def window_factor(self) -> float:
         """All-reduce the window's counts once, check them, start a new window and return the gradient factor."""
         counts = self._counter(None).clone()
+        expected = self._expected
         self.start_window()
         if self.world_size > 1:
             counts = self.all_reduce_sum(counts)
-        total_items, item_batches, total_batches = (float(value) for value in counts.tolist())
+        total_items, item_batches, total_batches, expected_sum = (float(value) for value in counts.tolist())
         if total_batches == 0:
             return 1.0
+        if expected_sum != (expected or 0.0) * self.world_size:
+            raise ValueError(
+                f"The ranks weighted this accumulation window against different sizes (this rank: {expected or 0:g} "
+                f"samples per window; all ranks together: {expected_sum:g}). Every rank must run the same "
+                "micro-batch size and accumulate_grad_batches."
+            )
         if 0 < item_batches < total_batches:
             raise ValueError(
                 f"training_step returned num_items for {item_batches:g} of the window's {total_batches:g} "
@@ -226,7 +259,7 @@ class ExactAccumulator:
                 f"micro-batches needs at least one item: drop empty batches or count the items correctly."
             )
         ranks = self.world_size if self.gradients_averaged else 1
-        return ranks / total_items
+        return ranks * (expected or 1.0) / total_items
 
     def finish_window(self, parameters: Iterable[Tensor]) -> float:
         """:meth:`window_factor`, applied in place to the gradients of ``parameters``; returns the factor."""
