@@ -195,28 +195,17 @@ def reference_training(spec: dict, world_size: int) -> tuple[dict, float, int]:
     Returns (state_dict, final learning rate, optimizer steps). ``spec`` is a worker case (task, batch_size per rank,
     accumulate, lr, epochs, optional clip and scheduler).
     """
-    data = make_data(spec["task"])
-    model = make_model(spec["task"])
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
-    scheduler = None
-    if spec.get("scheduler") == "steps":
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step))
-    steps = windows(len(data[0]), world_size, spec["batch_size"], spec["accumulate"])
-    for _ in range(spec.get("epochs", 1)):
-        for indices in steps:
-            optimizer.zero_grad()
-            loss_sum, items = item_loss(spec["task"], model, tuple(t[indices] for t in data))
-            (loss_sum / items).backward()
-            if spec.get("clip"):
-                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-    return model.state_dict(), optimizer.param_groups[0]["lr"], len(steps) * spec.get("epochs", 1)
+    model, optimizer, gradients = _reference_run(spec, world_size)
+    return model.state_dict(), optimizer.param_groups[0]["lr"], len(gradients)
 
 
 def reference_gradients(spec: dict, world_size: int) -> list[dict]:
     """The big-batch gradient of every optimizer step of :func:`reference_training` (before clipping), by name."""
+    return _reference_run(spec, world_size)[2]
+
+
+def _reference_run(spec: dict, world_size: int) -> tuple[nn.Module, torch.optim.Optimizer, list[dict]]:
+    """The reference run: the model, its optimizer, and each step's gradient before clipping."""
     data = make_data(spec["task"])
     model = make_model(spec["task"])
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
@@ -235,4 +224,4 @@ def reference_gradients(spec: dict, world_size: int) -> list[dict]:
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-    return gradients
+    return model, optimizer, gradients
