@@ -462,6 +462,8 @@ def test_keyword_the_fabric_strategy_does_not_take() -> None:
     assert "`sync_with_dataloader`: it is how the Trainer's loop ends an epoch; in a Fabric loop use " in message
     with pytest.raises(TypeError, match="`stag`: not a keyword of ZeroFabricStrategy"):
         lightspeed.fabric.ZeroFabricStrategy(stag=3)
+    with pytest.raises(TypeError, match=r"`models`: set each model up with its own `fabric.setup\(model, optimizer\)`"):
+        lightspeed.fabric.ZeroFabricStrategy(models=["generator", "discriminator"])
     with pytest.raises(DeepSpeedConfigError, match="zero_auto chooses `stage` itself"):
         lightspeed.fabric.ZeroAutoFabricStrategy(stage=2)
 

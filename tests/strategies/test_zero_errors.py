@@ -174,3 +174,17 @@ def test_config_contradicting_the_trainer_lists_every_mismatch(setup_errors) -> 
 def test_boolean_zero_optimization_is_refused() -> None:
     with pytest.raises(DeepSpeedConfigError, match=r"`zero_optimization` must be an object such as \{\"stage\": 2\}"):
         ZeroStrategy(stage=2, config={"zero_optimization": True})
+
+
+def test_keywords_the_trainer_strategies_do_not_take_say_what_to_do_instead() -> None:
+    """Lightning DeepSpeedStrategy's keywords (users migrating) and Fabric's get the same hints as under Fabric."""
+    with pytest.raises(TypeError) as info:
+        lightspeed.strategies.ZeroStrategy(stage=3, offload_params_device="cpu", precision="bf16-mixed", stag=2)
+    message = str(info.value)
+    assert message.startswith("ZeroStrategy does not take `offload_params_device`, `precision`, `stag`.\n")
+    assert "`offload_params_device`: use `offload_parameters='cpu'` or `offload_parameters='nvme'`" in message
+    assert "`precision`: pass the precision to the Trainer: Trainer(precision='bf16-mixed')" in message
+    assert "`stag`: not a keyword of ZeroStrategy" in message
+    assert "\nZeroStrategy takes: stage, offload_optimizer, offload_parameters, nvme_path," in message
+    with pytest.raises(TypeError, match=r"`overlap_comm`: write it into the DeepSpeed config instead: "):
+        lightspeed.strategies.ZeroAutoStrategy(overlap_comm=True)

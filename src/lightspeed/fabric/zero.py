@@ -43,12 +43,12 @@ from typing_extensions import override
 
 from lightspeed.core.zero.compile import CompileRequest
 from lightspeed.core.zero.config import AUTO
+from lightspeed.core.zero.config.keywords import named_arguments, unknown_keywords_error
 from lightspeed.core.zero.config.model_recipe import ModelRecipe, arguments_outside_recipe
 from lightspeed.core.zero.parameter_checks import check_parameters_for_zero
 from lightspeed.core.zero.runtime import zero_device_kind
 from lightspeed.core.zero.session import ZeroConfigProperties, ZeroSession
 from lightspeed.fabric.compile_takeover import FabricCompileTakeover
-from lightspeed.fabric.keywords import named_arguments, unknown_keywords_error
 from lightspeed.fabric.process_group import ProcessGroupMixin
 from lightspeed.fabric.zero_checkpoints import ZeroCheckpointsMixin
 from lightspeed.fabric.zero_engine import ZeroEngineMixin
@@ -148,7 +148,9 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
         **unsupported: Any,
     ) -> None:
         if unsupported:
-            raise unknown_keywords_error(type(self).__name__, unsupported, named_arguments(ZeroFabricStrategy))
+            raise unknown_keywords_error(
+                type(self).__name__, unsupported, named_arguments(ZeroFabricStrategy), "Fabric"
+            )
         recipe_of_models = ModelRecipe.from_arguments(locals(), front_end="Fabric")
         recipe = recipe_of_models.config()
         self._init_lightning(recipe, {**locals(), "activation_checkpointing_policy": recipe_of_models.tuning.policy})

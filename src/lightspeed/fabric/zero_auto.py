@@ -18,11 +18,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightspeed.core.zero.config import resolve_config_with_notes
+from lightspeed.core.zero.config.keywords import named_arguments, unknown_keywords_error
 from lightspeed.core.zero.engine import one_optimizer_error
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Plan, ZeroOption
 from lightspeed.core.zero.tuner import TrialParts, copy_module_and_optimizer, first_batches, zero_auto_requests
 from lightspeed.fabric.config_optimizer import ConfigOptimizer
-from lightspeed.fabric.keywords import SEVERAL_MODELS, named_arguments, unknown_keywords_error
+from lightspeed.fabric.keywords import SEVERAL_MODELS
 from lightspeed.fabric.zero import ZeroFabricStrategy
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
         passed_on = set(named_arguments(ZeroFabricStrategy)) - _DECIDED_HERE
         unknown = {name: value for name, value in kwargs.items() if name not in passed_on}
         if unknown:
-            raise unknown_keywords_error(type(self).__name__, unknown, named_arguments(ZeroFabricStrategy))
+            raise unknown_keywords_error(type(self).__name__, unknown, named_arguments(ZeroFabricStrategy), "Fabric")
         self._init_lightning(
             self.request.user_config, {**kwargs, "activation_checkpointing_policy": self.request.tuning.policy}
         )

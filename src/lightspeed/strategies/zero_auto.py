@@ -15,7 +15,6 @@ DataLoader (``process_dataloader``) and sets the Trainer's ``accumulate_grad_bat
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightspeed.core.zero.config import resolve_config_with_notes
+from lightspeed.core.zero.config.keywords import named_arguments, unknown_keywords_error
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Plan, ZeroOption
 from lightspeed.core.zero.tuner import TrialParts, first_batches, zero_auto_requests
 from lightspeed.strategies._training_facts import collect_training_facts
@@ -98,7 +98,9 @@ class ZeroAutoStrategy(ZeroStrategy):
         **kwargs: Any,
     ) -> None:
         self.request, self.tune_request = zero_auto_requests(locals(), "Trainer")
-        inspect.signature(ZeroStrategy).bind_partial(**kwargs)  # a misspelt argument is a TypeError naming it
+        unknown = {name: value for name, value in kwargs.items() if name not in named_arguments(ZeroStrategy)}
+        if unknown:
+            raise unknown_keywords_error(type(self).__name__, unknown, named_arguments(ZeroStrategy), "Trainer")
         self._init_lightning(
             self.request.user_config, {**kwargs, "activation_checkpointing_policy": self.request.tuning.policy}
         )
