@@ -170,3 +170,63 @@ def test_the_quick_start_is_a_whole_script_that_trains_and_exports(tmp_path: Pat
     assert len(losses) == 5 and losses[-1] < losses[0] / 10, proc.stdout  # printed once per epoch, by rank 0 only
     assert "exported: ['model.safetensors']" in proc.stdout, proc.stdout
     assert (tmp_path / "quickstart_export" / "model.safetensors").is_file()
+
+
+CHOOSING = REPO_ROOT / "docs" / "choosing.md"
+
+
+def _table_rows(text: str, header: str) -> list[list[str]]:
+    """The rows of the Markdown table whose header row starts with ``header`` (backticks dropped)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header} |"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip().strip("`") for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_strategy_page_maps_lightnings_names_to_the_same_presets() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightspeed.core.zero.config import ZERO_PRESETS
+
+    rows = _table_rows(CHOOSING.read_text(), "Lightning")
+    lightning_names = {n for n in StrategyRegistry.available_strategies() if n.startswith("deepspeed_stage")}
+    assert {theirs for theirs, _ in rows} == lightning_names  # every one of Lightning's names, once
+    for theirs, ours in rows:
+        params = StrategyRegistry[theirs]["init_params"]
+        nvme = params.get("remote_device") == "nvme"
+        preset = ZERO_PRESETS[ours]
+        assert preset.stage == params["stage"], theirs
+        assert preset.offload_optimizer == ("nvme" if nvme else "cpu" if params.get("offload_optimizer") else "none")
+        assert preset.offload_parameters == ("nvme" if nvme else "cpu" if params.get("offload_parameters") else "none")
+
+
+def test_the_arguments_the_strategy_page_says_keep_their_names_do() -> None:
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    text = " ".join(CHOOSING.read_text().split())
+    listed = text.split("(`ZeroFabricStrategy` under Fabric):", 1)[1].split("keep their names", 1)[0]
+    names = re.findall(r"`(\w+)`", listed)
+    assert len(names) >= 10, listed
+    for name in names:
+        for cls in (DeepSpeedStrategy, lightspeed.strategies.ZeroStrategy, lightspeed.fabric.ZeroFabricStrategy):
+            assert name in inspect.signature(cls).parameters, (name, cls.__name__)
+
+
+def test_the_strategy_pages_memory_table_is_what_the_planner_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    text = CHOOSING.read_text()
+    command = next(c.values[0] for c in _command_lines() if "--params 7e9" in c.values[0])
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    args._run(args)
+    printed = {}
+    for line in capsys.readouterr().out.splitlines():
+        cells = [cell.split() for cell in line.split("|")]
+        if len(cells) == 5 and cells[0] and cells[0][0].startswith("zero"):
+            device, host, nvme = cells[1][-1], cells[2][-1], cells[3][0]
+            printed[cells[0][0]] = [device, host, nvme]
+    documented = {row[0]: row[1:] for row in _table_rows(text, "option")}
+    assert documented == {name: printed[name] for name in documented}, printed
+    assert set(printed) - set(documented) == {"zero3_offload_params"}  # named in the text: no strategy name of its own
