@@ -230,3 +230,22 @@ def test_the_strategy_pages_memory_table_is_what_the_planner_prints(capsys: pyte
     documented = {row[0]: row[1:] for row in _table_rows(text, "option")}
     assert documented == {name: printed[name] for name in documented}, printed
     assert set(printed) - set(documented) == {"zero3_offload_params"}  # named in the text: no strategy name of its own
+
+
+def _source_text() -> str:
+    """Every module of the package, with implicitly concatenated string literals joined (``"a " "b"`` -> ``"a b"``)."""
+    text = "\n".join(path.read_text() for path in sorted((REPO_ROOT / "src" / "lightspeed").rglob("*.py")))
+    return re.sub(r"\"\s*\n\s*(?:[rf]{0,2})\"", "", text)
+
+
+def test_every_message_the_troubleshooting_page_quotes_is_printed_by_lightspeed() -> None:
+    page = " ".join((REPO_ROOT / "docs" / "troubleshooting.md").read_text().split())
+    source = " ".join(_source_text().split())
+    quotes = re.findall(r'\*\*(?:`(\w+)`: )?"([^"]+)"', page)
+    assert len(quotes) >= 8
+    for error, quote in quotes:
+        if error:
+            assert hasattr(lightspeed.errors, error), error
+        for fragment in (part.strip() for part in quote.split("…")):
+            if len(fragment) > 3:
+                assert fragment in source, (quote, fragment)
