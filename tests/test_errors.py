@@ -19,13 +19,13 @@ BUILT_IN = {
     "MemoryPlanError": ValueError,
     "WorldSizeMismatchError": ValueError,
     "UnsupportedOffloadOptimizerError": TypeError,
-    "IncompleteCheckpointError": RuntimeError,
+    "IncompleteCheckpointError": RuntimeError,  # and ValueError, as a CheckpointError
     "CollectiveTimeoutError": RuntimeError,
     "RankLostError": RuntimeError,
     "UnevenEvaluationError": RuntimeError,
     "CudaInitializedError": RuntimeError,
     "GatherError": RuntimeError,
-    "CallSiteMismatch": RuntimeError,
+    "CallSiteMismatchError": RuntimeError,
     "StepOutputError": RuntimeError,
 }
 
@@ -42,6 +42,37 @@ def test_every_exception_class_of_the_package_is_public_under_one_base() -> None
         assert issubclass(cls, errors.LightspeedError) and issubclass(cls, built_in), name
     assert issubclass(errors.RankLostError, errors.CollectiveTimeoutError)  # one `except` for both ways a job stalls
     assert lightspeed.errors is errors
+
+
+def test_an_incomplete_checkpoint_is_a_checkpoint_error_and_still_a_runtime_error() -> None:
+    assert issubclass(errors.IncompleteCheckpointError, errors.CheckpointError)  # one `except` for every bad checkpoint
+    assert issubclass(errors.IncompleteCheckpointError, RuntimeError)  # the `except RuntimeError` written before
+    with pytest.raises(errors.CheckpointError, match="interrupted"):
+        raise errors.IncompleteCheckpointError("interrupted")
+
+
+def test_the_old_name_of_a_renamed_class_is_the_same_class_with_a_warning() -> None:
+    from lightspeed.core.errors import DEPRECATED_NAMES
+
+    assert DEPRECATED_NAMES == {"CallSiteMismatch": "CallSiteMismatchError"}
+    assert "CallSiteMismatch" not in errors.__all__ and "CallSiteMismatchError" in errors.__all__
+    for module in (errors, core_errors):
+        with pytest.warns(
+            FutureWarning,
+            match=r"lightspeed\.errors\.CallSiteMismatch is deprecated .* use "
+            r"lightspeed\.errors\.CallSiteMismatchError instead",
+        ) as caught:
+            assert module.CallSiteMismatch is errors.CallSiteMismatchError
+        assert caught[0].filename == __file__  # the warning names the line that used the old name
+    with pytest.warns(FutureWarning, match="CallSiteMismatchError"):
+        from lightspeed.errors import CallSiteMismatch
+    with pytest.warns(FutureWarning):
+        try:  # an `except` clause written with the old name still catches the error
+            raise errors.CallSiteMismatchError("ranks in different calls")
+        except errors.CallSiteMismatch as caught_error:
+            assert isinstance(caught_error, CallSiteMismatch)
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchError'"):
+        errors.NoSuchError  # noqa: B018
 
 
 def test_the_classes_users_meet_are_the_public_ones() -> None:
@@ -80,9 +111,9 @@ def test_the_cli_reports_every_lightspeed_error_as_a_user_error(
     assert capsys.readouterr().err == "lightspeed env: error: what to change\n"
 
 
-#: where the error classes are defined and the public modules that hand them to users; elsewhere in the package
-#: they are imported from core only
-PUBLIC_REEXPORTS = {"core/errors.py", "errors.py", "__init__.py", "export.py", "callbacks/__init__.py"}
+#: where the error classes are defined and the one public module that hands them to users; elsewhere in the package
+#: they are imported from core only, and no other ``__all__`` lists them
+PUBLIC_REEXPORTS = {"core/errors.py", "errors.py"}
 
 
 def test_the_package_imports_its_errors_from_core_errors_only() -> None:

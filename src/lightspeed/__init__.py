@@ -13,11 +13,16 @@ shapes, the recompilation alarm) and ``errors`` (every exception a user can meet
 ``gathered_for_generation`` (a ZeRO-3 model gathered once for a whole generation) and ``gathered_for_evaluation`` (a
 ZeRO-3 model gathered once for an evaluation whose ranks run different numbers of batches).
 ``lightspeed.core`` is internal.
+
+The exceptions are public in :mod:`lightspeed.errors` only: ``lightspeed.GatherError`` still works, deprecated
+(a ``FutureWarning``), for ``lightspeed.errors.GatherError``.
 """
+
+import typing as _typing
 
 from lightspeed import callbacks, errors, export, fabric, plugins, strategies, xla
 from lightspeed._version import __version__
-from lightspeed.core.errors import GatherError
+from lightspeed.core.common import deprecation as _deprecation
 from lightspeed.core.gather import (
     exact_metrics,
     gather_for_metrics,
@@ -34,7 +39,6 @@ from lightspeed.registry import register_all
 register_all()
 
 __all__ = [
-    "GatherError",
     "__version__",
     "callbacks",
     "errors",
@@ -53,3 +57,11 @@ __all__ = [
     "track",
     "xla",
 ]
+
+#: names once public here, still reachable with a FutureWarning: old name -> (new spelling, object)
+_MOVED = {"GatherError": ("lightspeed.errors.GatherError", errors.GatherError)}
+
+if not _typing.TYPE_CHECKING:  # type checkers report the old names as missing; at run time they still work
+
+    def __getattr__(name: str) -> object:
+        return _deprecation.moved_attribute(__name__, name, _MOVED)

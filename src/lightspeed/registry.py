@@ -4,7 +4,7 @@
   ``ddp_exact``, ``xla_exact`` and ``single_xla_exact``
   (:func:`lightspeed.strategies.registration.register_trainer_strategies`);
 * the same ZeRO names, ``zero_auto`` and ``ddp_exact`` in Lightning Fabric's registry
-  (:func:`lightspeed.fabric.register_fabric_strategies`);
+  (:func:`lightspeed.fabric.registration.register_fabric_strategies`);
 * the accelerator: ``accelerator="xla"`` becomes lightspeed's :class:`~lightspeed.plugins.XLAAccelerator`;
 * the exit clean-up: a gloo default process group, lightspeed's or another's, is destroyed while the interpreter is
   still whole (:func:`~lightspeed.core.reliability.process_group.release_other_gloo_group`);

@@ -15,7 +15,9 @@ The XLA strategies (``accelerator="xla"``) watch torch_xla's compile count and w
 dtypes changed. In a Fabric loop (or any other), :class:`RecompilationAlarm` does the same:
 ``alarm.observe(batch)`` at the start of every step, ``alarm.close()`` after the loop.
 
-Nothing here imports torch_xla; the padding is plain PyTorch and works on any device.
+Nothing here imports torch_xla; the padding is plain PyTorch and works on any device. The defaults are public too:
+``DEFAULT_BUCKETS`` (the buckets), ``DEFAULT_PAD_VALUES`` (the padding of ``labels`` and ``attention_mask``) and
+``DEFAULT_WARMUP_STEPS`` (the steps the alarm lets compile).
 """
 
 from lightspeed.core.xla.padding import DEFAULT_BUCKETS, DEFAULT_PAD_VALUES, bucket_collate, pad_to_bucket

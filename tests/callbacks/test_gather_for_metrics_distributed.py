@@ -185,7 +185,7 @@ def test_outputs_ragged_across_ranks_name_the_window_and_the_fix_on_every_rank(r
     for rank, result in enumerate(ranks):
         message = result["ragged"]
         assert message is not None and message.startswith(
-            "CallSiteMismatch: gather_for_metrics: the ranks are not in the same call"
+            "CallSiteMismatchError: gather_for_metrics: the ranks are not in the same call"
         ), message
         window = 1 if rank == 1 else 2
         assert (

@@ -18,7 +18,8 @@ from safetensors import safe_open
 
 from _support.launch import run_python, run_torchrun
 from _support.trainers import quiet_trainer
-from lightspeed.export import ExportError, export_checkpoint, load_exported
+from lightspeed.errors import ExportError
+from lightspeed.export import export_checkpoint, load_exported
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -20,9 +20,9 @@ ARGS_7B = [
     "1.3e8",
     "--devices",
     "1",
-    "--gpu-memory",
+    "--device-memory",
     "80GB",
-    "--cpu-memory",
+    "--host-memory",
     "256GB",
 ]
 
@@ -30,7 +30,13 @@ ARGS_7B = [
 def test_json_matches_the_planner(capsys):
     assert main([*ARGS_7B, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    expected = plan(ModelCounts(7_000_000_000, 130_000_000), Cluster(1), Budgets(80 * 10**9, 256 * 10**9), Accounting())
+    expected = plan(
+        ModelCounts(7_000_000_000, 130_000_000),
+        Cluster(1),
+        Budgets(80 * 10**9, 256 * 10**9),
+        Accounting(precision="32-true"),  # the command's default precision is the Trainer's
+    )
+    assert data["accounting"]["precision"] == "32-true"
     assert data["choice"] == expected.choice.estimate.option.name
     assert [o["name"] for o in data["options"]] == [o.name for o in ZERO_OPTIONS]
     for option, verdict in zip(data["options"], expected.verdicts, strict=False):
@@ -69,9 +75,9 @@ def test_factory_is_built_on_the_meta_device(tmp_path, monkeypatch, capsys):
                 "cli_estimate_models:build",
                 "--devices",
                 "2",
-                "--gpu-memory",
+                "--device-memory",
                 "24GiB",
-                "--cpu-memory",
+                "--host-memory",
                 "64GiB",
                 "--json",
             ]
@@ -103,8 +109,8 @@ def test_factory_is_built_on_the_meta_device(tmp_path, monkeypatch, capsys):
             "devices per node must be at least 1, got 0",
         ),
         (
-            ["estimate", "--params", "10", "--largest-layer", "1", "--gpu-memory", "lots"],
-            "Cannot read --gpu-memory 'lots'",
+            ["estimate", "--params", "10", "--largest-layer", "1", "--device-memory", "lots"],
+            "Cannot read --device-memory 'lots'",
         ),
         (
             ["estimate", "--params", "10", "--largest-layer", "1", "--precision", "64-true"],
@@ -113,12 +119,12 @@ def test_factory_is_built_on_the_meta_device(tmp_path, monkeypatch, capsys):
         (["estimate", "--params", "10", "--largest-layer", "1", "--precision", "16"], "Unsupported precision '16'"),
         # a bare number could be bytes or GiB: the message says how to write it
         (
-            ["estimate", "--params", "10", "--largest-layer", "1", "--gpu-memory", "80"],
-            "--gpu-memory '80' has no unit: write e.g. '80GB' (10^9 bytes) or '80GiB' (2^30 bytes).",
+            ["estimate", "--params", "10", "--largest-layer", "1", "--device-memory", "80"],
+            "--device-memory '80' has no unit: write e.g. '80GB' (10^9 bytes) or '80GiB' (2^30 bytes).",
         ),
         (
-            ["estimate", "--params", "10", "--largest-layer", "1", "--cpu-memory", "256"],
-            "--cpu-memory '256' has no unit: write e.g. '256GB' (10^9 bytes) or '256GiB' (2^30 bytes).",
+            ["estimate", "--params", "10", "--largest-layer", "1", "--host-memory", "256"],
+            "--host-memory '256' has no unit: write e.g. '256GB' (10^9 bytes) or '256GiB' (2^30 bytes).",
         ),
     ],
 )
@@ -139,9 +145,9 @@ def test_nothing_fits_prints_the_table_and_what_would_fit(capsys):
         "1.3e9",
         "--devices",
         "8",
-        "--gpu-memory",
+        "--device-memory",
         "80GB",
-        "--cpu-memory",
+        "--host-memory",
         "500GB",
     ]
     assert main(argv) == 2
@@ -152,7 +158,7 @@ def test_nothing_fits_prints_the_table_and_what_would_fit(capsys):
 
 
 def test_nvme_path_gives_an_nvme_budget(tmp_path, capsys):
-    assert main([*ARGS_7B, "--cpu-memory", "64GB", "--nvme-path", str(tmp_path), "--json"]) in (0, 2)
+    assert main([*ARGS_7B, "--host-memory", "64GB", "--nvme-path", str(tmp_path), "--json"]) in (0, 2)
     data = json.loads(capsys.readouterr().out)
     assert data["budgets"]["nvme_free_bytes"] > 0
     nvme = data["options"][-1]
@@ -167,3 +173,34 @@ def test_without_gpu_the_devices_share_host_memory(capsys):
     assert data["budgets"]["device_bytes"] is None
     assert data["choice"] == "zero1"
     assert "devices share host memory" in data["options"][0]["reason"]
+
+
+def test_the_old_memory_flags_still_work_with_a_warning(capsys):
+    """``--gpu-memory`` / ``--cpu-memory`` (before ``--device-memory`` / ``--host-memory``, as ``lightspeed tune`` and
+    ``zero_auto``'s ``device_memory=`` / ``host_memory=`` spell them): the same estimate, a warning on stderr, and
+    hidden from ``--help``."""
+    new = [*ARGS_7B, "--json"]
+    old = [{"--device-memory": "--gpu-memory", "--host-memory": "--cpu-memory"}.get(arg, arg) for arg in new]
+    assert "--gpu-memory" in old and "--cpu-memory" in old
+    assert main(new) == 0
+    expected = capsys.readouterr()
+    assert main(old) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == json.loads(expected.out)
+    assert captured.err.splitlines()[:2] == [
+        "lightspeed estimate: warning: --gpu-memory is deprecated and will be removed; use --device-memory",
+        "lightspeed estimate: warning: --cpu-memory is deprecated and will be removed; use --host-memory",
+    ]
+    assert "deprecated" not in expected.err
+    with pytest.raises(SystemExit):
+        main(["estimate", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--device-memory SIZE" in help_text and "--host-memory SIZE" in help_text
+    assert "--gpu-memory" not in help_text and "--cpu-memory" not in help_text
+
+
+def test_the_default_precision_is_the_trainers(capsys):
+    assert main([*ARGS_7B, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["accounting"]["precision"] == "32-true"
+    assert main([*ARGS_7B]) == 0
+    assert "precision 32-true" in capsys.readouterr().out  # the table says which precision it assumed

@@ -80,7 +80,7 @@ def test_options_reach_the_export(root, tmp_path):
 
     ckpt, tag, reference = checkpoint_of(root, "s3_cpu_fp32")
     out = tmp_path / "bf16"
-    args = parse(ckpt, out, "--dtype", "bf16", "--exclude-frozen", "--tag", tag, "--max-shard-size", "none")
+    args = parse(ckpt, out, "--dtype", "bf16", "--exclude-frozen-parameters", "--tag", tag, "--max-shard-size", "none")
     assert export_command.run(args) == 0
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
@@ -143,14 +143,14 @@ def test_single_file_lightning_checkpoint(lightning_file, tmp_path, capsys):
     assert fresh.model.head.weight is fresh.model.embed.weight and capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("case", ["exclude_frozen", "tag", "not_lightning"])
+@pytest.mark.parametrize("case", ["exclude_frozen_parameters", "tag", "not_lightning"])
 def test_single_file_user_errors_exit_2(lightning_file, tmp_path, capsys, case):
     ckpt, _ = lightning_file
     foreign = tmp_path / "weights.pt"
     torch.save({"weights": torch.ones(2)}, foreign)
     out = tmp_path / "out"
     args = {
-        "exclude_frozen": (ckpt, out, "--exclude-frozen"),
+        "exclude_frozen_parameters": (ckpt, out, "--exclude-frozen-parameters"),
         "tag": (ckpt, out, "--tag", "checkpoint"),
         "not_lightning": (foreign, out),
     }[case]
@@ -159,7 +159,7 @@ def test_single_file_user_errors_exit_2(lightning_file, tmp_path, capsys, case):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lightspeed export: error: ") and captured.out == ""
     expected = {
-        "exclude_frozen": "does not record which parameters were frozen",
+        "exclude_frozen_parameters": "does not record which parameters were frozen",
         "tag": "is a single-file checkpoint, which has no tags; leave out tag=... (--tag on the command line)",
         "not_lightning": "weights.pt is not a Lightning checkpoint: it has no 'state_dict' entry",
     }[case]
@@ -171,5 +171,29 @@ def test_help_lists_every_option():
     subparsers = parser.add_subparsers(dest="command")
     export_command.COMMAND.add_parser(subparsers)
     help_text = subparsers.choices["export"].format_help()
-    for option in ("--dtype", "--max-shard-size", "--tag", "--exclude-frozen", "--strip-prefix", "--overwrite"):
+    for option in (
+        "--dtype",
+        "--max-shard-size",
+        "--tag",
+        "--exclude-frozen-parameters",
+        "--strip-prefix",
+        "--overwrite",
+    ):
         assert option in help_text
+    assert "--exclude-frozen " not in help_text and "--exclude-frozen\n" not in help_text  # the deprecated spelling
+
+
+def test_the_old_exclude_frozen_flag_still_works_with_a_warning(capsys):
+    """``--exclude-frozen`` (before ``--exclude-frozen-parameters``, the strategies' ``exclude_frozen_parameters``):
+    the same option, with a warning on stderr naming the new one."""
+    assert parse("ckpt", "out").exclude_frozen_parameters is False
+    assert capsys.readouterr().err == ""
+    assert parse("ckpt", "out", "--exclude-frozen-parameters").exclude_frozen_parameters is True
+    assert capsys.readouterr().err == ""
+    old = parse("ckpt", "out", "--exclude-frozen")
+    assert old.exclude_frozen_parameters is True and not hasattr(old, "exclude_frozen")
+    assert capsys.readouterr().err == (
+        "lightspeed export: warning: --exclude-frozen is deprecated and will be removed; "
+        "use --exclude-frozen-parameters\n"
+    )
+    assert export_command._options(old).exclude_frozen_parameters is True

@@ -195,3 +195,12 @@ def test_bad_arguments_exit_2(capsys, monkeypatch):
     )
     assert main(["test", "--steps", "0", "--accelerator", "cpu"]) == 2
     assert "--steps must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_the_cuda_accelerator_without_a_gpu_is_a_usage_error(capsys):
+    for given in ("cuda", "gpu"):  # "gpu": Lightning's alias of "cuda", read as "cuda"
+        assert main(["test", "--accelerator", given]) == 2
+        assert capsys.readouterr().err == (
+            "lightspeed test: error: --accelerator cuda, but no CUDA GPU is visible here. Use --accelerator cpu.\n"
+        )

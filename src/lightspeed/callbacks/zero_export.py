@@ -43,6 +43,7 @@ from lightspeed.core.checkpoint.exporter import ExportResult
 from lightspeed.core.checkpoint.hf_config import find_hf_config
 from lightspeed.core.checkpoint.live import export_engine
 from lightspeed.core.checkpoint.options import ExportOptions
+from lightspeed.core.common.deprecation import renamed_keyword
 from lightspeed.core.errors import ExportError
 from lightspeed.core.reliability.staging import check_output_dir_on_every_rank
 
@@ -58,7 +59,8 @@ class ZeroExport(Callback):
             frozen models are not written.
         dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` for floating tensors.
         max_shard_size: largest shard, e.g. ``"2GB"``; None writes one file.
-        exclude_frozen: leave out parameters with ``requires_grad=False``.
+        exclude_frozen_parameters: leave out parameters with ``requires_grad=False`` (as the strategy's
+            ``exclude_frozen_parameters`` leaves them out of checkpoints).
         strip_prefix: export only the keys under this prefix, without it (``"model."`` for a wrapped HF model).
         on_checkpoint: also export whenever a checkpoint is saved, so ``dirpath`` follows the latest checkpoint.
         overwrite: replace a non-empty ``dirpath`` that this run did not write (checked before training starts).
@@ -66,6 +68,7 @@ class ZeroExport(Callback):
             module's own ``.config`` (and ``.generation_config``) when it has one with ``to_json_file`` /
             ``save_pretrained``, nothing otherwise; a config object or a ``config.json`` path / directory: that one;
             False: never.
+        exclude_frozen: deprecated name of ``exclude_frozen_parameters`` (works, with a ``FutureWarning``).
 
     The export options are validated here (``self.options``), so a typo fails at construction, not after training.
     """
@@ -75,17 +78,25 @@ class ZeroExport(Callback):
         dirpath: str | os.PathLike,
         dtype: str | torch.dtype = "fp32",
         max_shard_size: int | str | None = "5GB",
-        exclude_frozen: bool = False,
+        exclude_frozen_parameters: bool = False,
         strip_prefix: str | None = None,
         on_checkpoint: bool = False,
         overwrite: bool = False,
         hf_config: Any = None,
+        exclude_frozen: bool | None = None,
     ) -> None:
         self.dirpath = Path(dirpath)
         self.options = ExportOptions(
             dtype=dtype,
             max_shard_size=max_shard_size,
-            exclude_frozen=exclude_frozen,
+            exclude_frozen_parameters=renamed_keyword(
+                "ZeroExport",
+                "exclude_frozen",
+                "exclude_frozen_parameters",
+                exclude_frozen,
+                exclude_frozen_parameters,
+                False,
+            ),
             strip_prefix=strip_prefix,
             overwrite=overwrite,
             hf_config=None if hf_config is False else hf_config,

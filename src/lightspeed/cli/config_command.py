@@ -12,7 +12,7 @@ import sys
 import warnings
 from typing import Any
 
-from lightspeed.cli.usage import EXIT_OK, Command, UsageError, require_nvme_path
+from lightspeed.cli.usage import EXIT_OK, PRECISIONS_TEXT, Command, UsageError, require_nvme_path
 from lightspeed.core.zero.config import (
     NVME_PATH_ENV,
     ZERO_PRESETS,
@@ -48,7 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accumulate", type=int, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--devices", type=int, default=1, help="devices per node (for train_batch_size; default 1)")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (for train_batch_size; default 1)")
-    parser.add_argument("--precision", help="Trainer(precision=...): 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true")
+    parser.add_argument(
+        "--precision",
+        help=f'Lightning precision: {PRECISIONS_TEXT} (default: none, so fp16/bf16 stay "auto", which the strategy '
+        "resolves from the Trainer's precision)",
+    )
     parser.add_argument("--gradient-clip", type=float, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--hidden-size", type=int, help="model hidden size (sets ZeRO bucket sizes)")
     parser.add_argument(

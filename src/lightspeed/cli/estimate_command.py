@@ -7,12 +7,21 @@ import contextlib
 import json
 import sys
 
-from lightspeed.cli.usage import EXIT_OK, EXIT_USER_ERROR, Command, UsageError
+from lightspeed.cli.usage import (
+    DEVICE_MEMORY_HELP,
+    EXIT_OK,
+    EXIT_USER_ERROR,
+    HOST_MEMORY_HELP,
+    PRECISIONS_TEXT,
+    Command,
+    UsageError,
+    add_deprecated_alias,
+)
 
 _EPILOG = """\
 examples:
   lightspeed estimate my_pkg.models:build_model --devices 8 --nodes 2 --precision bf16-mixed
-  lightspeed estimate --params 7e9 --largest-layer 1.3e8 --devices 1 --gpu-memory 80GB --cpu-memory 256GB
+  lightspeed estimate --params 7e9 --largest-layer 1.3e8 --devices 1 --device-memory 80GB --host-memory 256GB
 
 The factory is called with no arguments inside `with torch.device("meta")`, so even a 70B model costs no memory.
 Sizes need a unit: 80GB (10^9 bytes), 80GiB or 80G (2^30 bytes). Exit code 2 when no option fits.
@@ -28,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     parser.add_argument(
         "--precision",
-        default="bf16-mixed",
-        help="Lightning precision: bf16-mixed (default), 16-mixed, bf16-true, 16-true or 32-true",
+        default="32-true",
+        help=f"Lightning precision: {PRECISIONS_TEXT} (default 32-true, as the Trainer's)",
     )
     parser.add_argument(
         "--optimizer-state-bytes",
@@ -37,16 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8,
         help="optimizer state per parameter: 8 for Adam/AdamW (default), 4 SGD+momentum, 0 SGD",
     )
-    parser.add_argument(
-        "--gpu-memory",
-        metavar="SIZE",
-        help="memory per device, with a unit (80GB, 24GiB), instead of the free memory of the GPUs here",
-    )
-    parser.add_argument(
-        "--cpu-memory",
-        metavar="SIZE",
-        help="host memory per node, with a unit (256GB, 64GiB), instead of the memory available here",
-    )
+    parser.add_argument("--device-memory", metavar="SIZE", help=DEVICE_MEMORY_HELP)
+    parser.add_argument("--host-memory", metavar="SIZE", help=HOST_MEMORY_HELP)
+    add_deprecated_alias(parser, "--gpu-memory", "--device-memory")
+    add_deprecated_alias(parser, "--cpu-memory", "--host-memory")
     parser.add_argument("--nvme-path", help="directory on the NVMe drive; its free space is the NVMe budget")
     parser.add_argument(
         "--zero-init",
@@ -88,8 +91,10 @@ def _budgets(args: argparse.Namespace):
     from lightspeed.core.zero.planner import measure_budgets
 
     return measure_budgets(
-        device_memory=parse_size(args.gpu_memory, "--gpu-memory", MemoryPlanError) if args.gpu_memory else None,
-        host_memory=parse_size(args.cpu_memory, "--cpu-memory", MemoryPlanError) if args.cpu_memory else None,
+        device_memory=parse_size(args.device_memory, "--device-memory", MemoryPlanError)
+        if args.device_memory
+        else None,
+        host_memory=parse_size(args.host_memory, "--host-memory", MemoryPlanError) if args.host_memory else None,
         nvme_path=args.nvme_path,
     )
 

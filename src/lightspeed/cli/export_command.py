@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from lightspeed.cli.usage import EXIT_OK, Command
+from lightspeed.cli.usage import EXIT_OK, Command, add_deprecated_alias
 
 if TYPE_CHECKING:
     from lightspeed.core.checkpoint.options import ExportOptions
@@ -59,11 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tag", default=None, help="tag of a ZeRO checkpoint directory to export (default: the one named in 'latest')"
     )
     parser.add_argument(
-        "--exclude-frozen",
+        "--exclude-frozen-parameters",
         action="store_true",
-        help="leave out parameters with requires_grad=False (ZeRO stages 1-3 only: single-file "
-        "checkpoints do not record it)",
+        help="leave out parameters with requires_grad=False, as the strategies' exclude_frozen_parameters does for "
+        "checkpoints (ZeRO stages 1-3 only: single-file checkpoints do not record it)",
     )
+    add_deprecated_alias(parser, "--exclude-frozen", "--exclude-frozen-parameters")
     parser.add_argument(
         "--strip-prefix",
         default=None,
@@ -89,7 +90,7 @@ def _options(args: argparse.Namespace) -> ExportOptions:
         dtype=args.dtype,
         max_shard_size=None if str(args.max_shard_size).lower() == "none" else args.max_shard_size,
         tag=args.tag,
-        exclude_frozen=args.exclude_frozen,
+        exclude_frozen_parameters=args.exclude_frozen_parameters,
         strip_prefix=args.strip_prefix,
         overwrite=args.overwrite,
         hf_config=args.hf_config,

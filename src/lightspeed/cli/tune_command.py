@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightspeed.cli.usage import EXIT_OK, Command, UsageError
+from lightspeed.cli.usage import (
+    DEVICE_MEMORY_HELP,
+    EXIT_OK,
+    HOST_MEMORY_HELP,
+    PRECISIONS_TEXT,
+    Command,
+    UsageError,
+    add_accelerator_argument,
+)
 
 _EPILOG = """\
 examples:
@@ -25,8 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``lightspeed tune``."""
     parser.add_argument("factory", help="package.module:function returning (LightningModule, DataLoader/DataModule)")
     parser.add_argument("--devices", type=int, default=1, help="processes per node (default 1)")
-    parser.add_argument("--accelerator", default="auto", help="cpu, cuda or auto (default)")
-    parser.add_argument("--precision", default="32-true", help="Lightning precision (default 32-true)")
+    add_accelerator_argument(parser, "auto (default): the GPUs when there are any, else the CPU")
+    parser.add_argument(
+        "--precision",
+        default="32-true",
+        help=f"Lightning precision: {PRECISIONS_TEXT} (default 32-true, as the Trainer's)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="measured steps per option (default 3)")
     parser.add_argument("--options", help="comma-separated option names to try (default: every option that fits)")
     parser.add_argument("--buckets", action="store_true", help="also try DeepSpeed's own bucket sizes")
@@ -39,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--accumulate", type=int, default=1, help="the run's accumulate_grad_batches (default 1; the cache keys on it)"
     )
-    parser.add_argument("--host-memory", metavar="SIZE", help="host memory per node to plan with (e.g. 64GB)")
-    parser.add_argument("--device-memory", metavar="SIZE", help="memory per device to plan with (e.g. 80GB)")
+    parser.add_argument("--device-memory", metavar="SIZE", help=DEVICE_MEMORY_HELP)
+    parser.add_argument("--host-memory", metavar="SIZE", help=HOST_MEMORY_HELP)
 
 
 def _job(path: str) -> tuple[Any, Any]:

@@ -1,12 +1,16 @@
 """What the ``lightspeed`` subcommands share: how each declares itself (:class:`Command`), the exit codes, the
-error for a bad request, and the check that a strategy offloading to NVMe was given its directory."""
+error for a bad request, the check that a strategy offloading to NVMe was given its directory, and the options
+spelled the same in every command (``--accelerator``, ``--device-memory`` / ``--host-memory``, old spellings kept as
+hidden deprecated aliases)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lightspeed.core.zero.config import NVME_PATH_ENV
 
@@ -52,3 +56,63 @@ def require_nvme_path(strategy: str, nvme_path: str | None) -> None:
         raise UsageError(
             f"{strategy} offloads to NVMe: pass --nvme-path DIR (a directory on an NVMe drive) or set {NVME_PATH_ENV}."
         )
+
+
+#: the accelerators of the commands that run the Trainer, in Lightning's spelling (``"gpu"``, Lightning's own alias
+#: of ``"cuda"``, is taken too and means ``"cuda"``)
+ACCELERATORS = ("auto", "cpu", "cuda")
+
+
+def _accelerator(value: str) -> str:
+    value = value.strip().lower()
+    return "cuda" if value == "gpu" else value
+
+
+def add_accelerator_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``--accelerator {auto,cpu,cuda}`` (default ``auto``), the same in every command; ``gpu`` is read as
+    ``cuda``, as Lightning reads it."""
+    parser.add_argument("--accelerator", type=_accelerator, choices=ACCELERATORS, default="auto", help=help_text)
+
+
+#: the precisions ``--precision`` takes, as Lightning spells them (the Trainer's default, 32-true, first)
+PRECISIONS_TEXT = "32-true, bf16-mixed, 16-mixed, bf16-true or 16-true"
+
+#: the help of ``--device-memory`` / ``--host-memory``: the budgets of the memory planner, as ``zero_auto``'s
+#: ``device_memory=`` / ``host_memory=``
+DEVICE_MEMORY_HELP = "memory per device, with a unit (80GB, 24GiB), instead of the free memory of the GPUs here"
+HOST_MEMORY_HELP = "host memory per node, with a unit (256GB, 64GiB), instead of the memory available here"
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of another option: does what that option does, after a warning on stderr that names it.
+    Hidden from ``--help``."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, replacement: argparse.Action) -> None:
+        # the replacement's way of reading its value (argparse converts and checks it with these); its default stays
+        settings: dict[str, Any] = {
+            "nargs": replacement.nargs,
+            "const": replacement.const,
+            "type": replacement.type,
+            "choices": replacement.choices,
+            "metavar": replacement.metavar,
+        }
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **settings)
+        self.replacement = replacement
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        new = self.replacement.option_strings[-1]
+        print(f"{parser.prog}: warning: {option_string} is deprecated and will be removed; use {new}", file=sys.stderr)
+        self.replacement(parser, namespace, values, new)
+
+
+def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Keep ``old`` working as a hidden, deprecated spelling of the option ``new`` (already added to ``parser``):
+    the same value in the same place, and a warning on stderr naming ``new``."""
+    replacement = next(action for action in parser._actions if new in action.option_strings)
+    parser.add_argument(old, action=_DeprecatedAlias, dest=replacement.dest, replacement=replacement)

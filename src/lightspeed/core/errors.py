@@ -4,12 +4,18 @@ Each also derives from the built-in exception it was before (``ValueError`` for 
 run that cannot go on, ``TypeError`` for a wrong kind of object), so ``except ValueError`` keeps working. Every
 message says what to change. The public import path is :mod:`lightspeed.errors`; this module sits at the bottom of
 ``core/`` so every feature package can raise them without importing another.
+
+Renamed classes keep their old name as a deprecated alias (:data:`DEPRECATED_NAMES`): it is the same class, so
+``except`` clauses written with it keep working, and reading it warns (``FutureWarning``) with the new name.
 """
 
 from __future__ import annotations
 
+import warnings
+from typing import TYPE_CHECKING
+
 __all__ = [
-    "CallSiteMismatch",
+    "CallSiteMismatchError",
     "CheckpointError",
     "CollectiveTimeoutError",
     "CudaInitializedError",
@@ -77,8 +83,10 @@ class CheckpointError(LightspeedError, ValueError):
     not fit the model it is loaded into."""
 
 
-class IncompleteCheckpointError(LightspeedError, RuntimeError):
-    """A checkpoint directory that was not completely written (an interrupted save) or changed after it was."""
+class IncompleteCheckpointError(CheckpointError, RuntimeError):
+    """A checkpoint directory that was not completely written (an interrupted save) or changed after it was. A
+    :class:`CheckpointError`, so one ``except`` serves every checkpoint that cannot be loaded; still the
+    ``RuntimeError`` it always was."""
 
 
 class ExportError(LightspeedError, ValueError):
@@ -90,9 +98,33 @@ class GatherError(LightspeedError, RuntimeError):
     """Ranks disagree about a gather (structure, dtype, shape, call site), or a rank never arrived."""
 
 
-class CallSiteMismatch(GatherError):
-    """The ranks met in different calls: e.g. one gathers a batch while another checks the end of its dataloader."""
+class CallSiteMismatchError(GatherError):
+    """The ranks met in different calls: e.g. one gathers a batch while another checks the end of its dataloader.
+    (Called ``CallSiteMismatch`` before; that name is a deprecated alias.)"""
 
 
 class StepOutputError(GatherError):
     """``validation_step`` / ``test_step`` did not return the predictions and targets ``GatherForMetrics`` reads."""
+
+
+# ------------------------------------------------------------------------------------------------ old names
+#: deprecated name -> the class's name now; the old name reaches the same class, with a FutureWarning
+DEPRECATED_NAMES = {"CallSiteMismatch": "CallSiteMismatchError"}
+
+
+if not TYPE_CHECKING:  # type checkers report the old names as missing; at run time they still work
+
+    def __getattr__(name: str) -> type[LightspeedError]:
+        """The deprecated names of :data:`DEPRECATED_NAMES` (``from lightspeed.errors import CallSiteMismatch``):
+        the renamed class, after a ``FutureWarning`` naming its new name."""
+        new = DEPRECATED_NAMES.get(name)
+        if new is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        warnings.warn(
+            f"lightspeed.errors.{name} is deprecated and will be removed; use lightspeed.errors.{new} instead (the "
+            "same class, renamed).",
+            FutureWarning,
+            stacklevel=2,
+        )
+        cls: type[LightspeedError] = globals()[new]
+        return cls

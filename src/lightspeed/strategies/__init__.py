@@ -1,9 +1,13 @@
 """Lightning strategies: ZeRO (``ZeroStrategy``, ``ZeroAutoStrategy``), DDP and XLA with exact gradient
-accumulation. :func:`register_trainer_strategies` registers the names users pass as ``Trainer(strategy=...)``
-(``import lightspeed`` does, through :mod:`lightspeed.registry`)."""
+accumulation. :func:`lightspeed.strategies.registration.register_trainer_strategies` registers the names users pass
+as ``Trainer(strategy=...)`` (``import lightspeed`` does, through :mod:`lightspeed.registry`);
+``lightspeed.strategies.register_trainer_strategies`` still works, deprecated (a ``FutureWarning``)."""
 
+from typing import TYPE_CHECKING
+
+from lightspeed.core.common import deprecation as _deprecation
+from lightspeed.strategies import registration as _registration
 from lightspeed.strategies.ddp_exact import DDPExactStrategy
-from lightspeed.strategies.registration import register_trainer_strategies
 from lightspeed.strategies.xla import SingleDeviceXLAExactStrategy, XLAExactStrategy
 from lightspeed.strategies.zero import ZeroStrategy
 from lightspeed.strategies.zero_auto import ZeroAutoStrategy
@@ -14,5 +18,18 @@ __all__ = [
     "XLAExactStrategy",
     "ZeroAutoStrategy",
     "ZeroStrategy",
-    "register_trainer_strategies",
 ]
+
+#: names once public here, still reachable with a FutureWarning: old name -> (new spelling, object)
+_MOVED = {
+    "register_trainer_strategies": (
+        "lightspeed.strategies.registration.register_trainer_strategies (`import lightspeed` already calls it; "
+        "lightspeed.registry.register_all() registers everything again)",
+        _registration.register_trainer_strategies,
+    ),
+}
+
+if not TYPE_CHECKING:  # type checkers report the old names as missing; at run time they still work
+
+    def __getattr__(name: str) -> object:
+        return _deprecation.moved_attribute(__name__, name, _MOVED)

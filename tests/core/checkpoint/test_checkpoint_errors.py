@@ -18,7 +18,8 @@ sys.path.insert(0, str(SCRIPTS))
 from checkpoint_fixture import checkpoint_of, zero_checkpoints  # noqa: E402
 from checkpoint_models import TinyLM  # noqa: E402
 
-from lightspeed.export import CheckpointError, ExportError, export_checkpoint, load_exported  # noqa: E402
+from lightspeed.errors import CheckpointError, ExportError  # noqa: E402
+from lightspeed.export import export_checkpoint, load_exported  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +205,7 @@ def test_bad_options(root, tmp_path):
         export_checkpoint(ckpt, tmp_path / "out", strip_prefix="model.")
     ckpt0, _, _ = checkpoint_of(root, "s0_none_fp32")
     with pytest.raises(ExportError, match=r"a ZeRO stage 0 checkpoint does not record which parameters were frozen"):
-        export_checkpoint(ckpt0, tmp_path / "out", exclude_frozen=True)
+        export_checkpoint(ckpt0, tmp_path / "out", exclude_frozen_parameters=True)
     assert_untouched(tmp_path / "out", None)
 
 

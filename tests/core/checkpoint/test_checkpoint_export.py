@@ -25,7 +25,8 @@ from checkpoint_fixture import LIGHTNING, MATRIX, SCRIPT, checkpoint_of, zero_ch
 from checkpoint_models import TinyLM  # noqa: E402
 
 from _support.launch import run_torchrun  # noqa: E402
-from lightspeed.export import ExportError, export_checkpoint, load_exported  # noqa: E402
+from lightspeed.errors import ExportError  # noqa: E402
+from lightspeed.export import export_checkpoint, load_exported  # noqa: E402
 
 THREE_RANKS = ["s1_none_fp32", "s2_cpu_fp32", "s3_nvme_fp32_big"]
 
@@ -184,9 +185,9 @@ def test_lightning_layout(root, tmp_path, config):
     assert all(torch.equal(v, holder.net.state_dict()[k]) for k, v in bare.state_dict().items())
 
 
-def test_exclude_frozen(root, tmp_path):
+def test_exclude_frozen_parameters(root, tmp_path):
     ckpt, tag, reference = checkpoint_of(root, "s3_cpu_fp32")
-    export_checkpoint(ckpt, tmp_path / "out", exclude_frozen=True)
+    export_checkpoint(ckpt, tmp_path / "out", exclude_frozen_parameters=True)
     tensors, tied, _ = read_export(tmp_path / "out")
     assert set(tensors) | set(tied) == set(reference["state_dict_keys"]) - {"frozen_proj.weight", "frozen_proj.bias"}
     fresh = TinyLM()

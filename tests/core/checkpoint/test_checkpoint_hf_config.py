@@ -17,7 +17,8 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 from lightspeed.cli.main import main
 from lightspeed.core.checkpoint.hf_config import HFConfigFiles, find_hf_config, resolve_hf_config
 from lightspeed.core.checkpoint.options import ExportOptions
-from lightspeed.export import ExportError, export_checkpoint
+from lightspeed.errors import ExportError
+from lightspeed.export import export_checkpoint
 
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 100, "n_positions": 32}
 

@@ -21,7 +21,8 @@ from lightning_file_fixture import TinyLightningLM, train_and_save  # noqa: E402
 
 from lightspeed.core.checkpoint.lightning_file_reader import read_lightning_file  # noqa: E402
 from lightspeed.core.checkpoint.plan import EXPORT_METADATA_KEY, TIED_METADATA_KEY  # noqa: E402
-from lightspeed.export import CheckpointError, ExportError, export_checkpoint, load_exported  # noqa: E402
+from lightspeed.errors import CheckpointError, ExportError  # noqa: E402
+from lightspeed.export import export_checkpoint, load_exported  # noqa: E402
 
 TIED, OWNER = "model.head.weight", "model.embed.weight"
 
@@ -139,9 +140,9 @@ def test_options_a_single_file_cannot_honour(trained, tmp_path):
     with pytest.raises(
         ExportError,
         match=r"model.ckpt: a single-file Lightning checkpoint does not record which "
-        r"parameters were frozen .* so exclude_frozen cannot be honoured",
+        r"parameters were frozen .* so exclude_frozen_parameters cannot be honoured",
     ):
-        export_checkpoint(ckpt, tmp_path / "out", exclude_frozen=True)
+        export_checkpoint(ckpt, tmp_path / "out", exclude_frozen_parameters=True)
     with pytest.raises(
         CheckpointError,
         match=r"model.ckpt is a single-file checkpoint, which has no tags; leave out "

@@ -56,8 +56,8 @@ def test_export_finds_every_alias_and_equals_the_live_masters_and_zero_export(ro
     live, live_tied, _ = read_export(root / config / "live_export")
     assert live_tied == tied and live.keys() == tensors.keys()
     assert all(torch.equal(live[name], tensors[name]) for name in tensors)
-    exclude_frozen = export_checkpoint(ckpt, tmp_path / "no_frozen", exclude_frozen=True)
-    assert exclude_frozen.tied == TIED  # nothing of the shared block counts as frozen
+    no_frozen = export_checkpoint(ckpt, tmp_path / "no_frozen", exclude_frozen_parameters=True)
+    assert no_frozen.tied == TIED  # nothing of the shared block counts as frozen
 
 
 @pytest.mark.parametrize("config", CONFIGS)

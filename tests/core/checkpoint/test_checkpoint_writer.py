@@ -120,7 +120,7 @@ def test_select_keys_prefix_frozen_and_ties():
     keys = ["model.embed", "model.frozen", "model.head", "extra", "head_outside"]
     kinds = {"model.embed": "param", "model.frozen": "frozen", "extra": "buffer"}
     aliases = {"model.head": "model.embed", "head_outside": "model.embed"}
-    stored, tied = select_keys(keys, kinds, aliases, exclude_frozen=True, strip_prefix="model.")
+    stored, tied = select_keys(keys, kinds, aliases, exclude_frozen_parameters=True, strip_prefix="model.")
     assert stored == [("embed", "model.embed")] and tied == {"head": "embed"}
     # a tied key under the prefix whose owner is outside it is written itself
     stored, tied = select_keys(["a.w", "b.w"], {"a.w": "param"}, {"b.w": "a.w"}, strip_prefix="b.")

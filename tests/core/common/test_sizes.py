@@ -47,5 +47,5 @@ def test_caller_error_type_and_name() -> None:
     class MyError(Exception):
         pass
 
-    with pytest.raises(MyError, match=r"--gpu-memory '80' has no unit"):
-        parse_size("80", "--gpu-memory", MyError)
+    with pytest.raises(MyError, match=r"--device-memory '80' has no unit"):
+        parse_size("80", "--device-memory", MyError)

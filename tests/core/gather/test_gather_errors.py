@@ -37,11 +37,11 @@ EVERY_RANK = {
     r"samples of dataloader 0 so far; first_sample must be >= 0",
     "pad_ndim": r"pad_across_processes: rank 2 passed different data than rank 0 .*3 dims.*2 dims",
     "pad_dim_out_of_range": r"pad_across_processes: rank 0: dim=2 is out of range for data with shape \[2, 2\]",
-    "uneven_batches": r"^CallSiteMismatch: gather_for_metrics: the ranks are not in the same call \(rank 0 is in "
+    "uneven_batches": r"^CallSiteMismatchError: gather_for_metrics: the ranks are not in the same call \(rank 0 is in "
     r"gather_for_metrics in batch 2 of dataloader 0; rank 1 is "
     r"in the end of dataloader 0 after 1 batches; rank 2 is in the end of dataloader 0 after 1 batches\)",
-    "uneven_pad": r"CallSiteMismatch: (pad_across_processes|gather_for_metrics): the ranks are not in the same call "
-    r"\(rank 0 is in pad_across_processes; "
+    "uneven_pad": r"CallSiteMismatchError: (pad_across_processes|gather_for_metrics): the ranks are not in the same "
+    r"call \(rank 0 is in pad_across_processes; "
     r"rank 1 is in the end of dataloader 0 after 1 batches; rank 2 is in the end of dataloader 0",
     "fail_gather": r"^NoPredictions: gather_for_metrics: rank 2: validation_step returned None; "
     r"return the predictions\.$",

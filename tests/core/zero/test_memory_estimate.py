@@ -353,14 +353,14 @@ def test_parse_size_and_count_errors():
     # a bare number could mean bytes or GiB: refused with the exception type the planner's callers pass
     with pytest.raises(
         MemoryPlanError,
-        match=r"--gpu-memory '16' has no unit: write e.g. '16GB' \(10\^9 bytes\) or "
+        match=r"--device-memory '16' has no unit: write e.g. '16GB' \(10\^9 bytes\) or "
         r"'16GiB' \(2\^30 bytes\)",
     ):
-        parse_size("16", "--gpu-memory", MemoryPlanError)
-    with pytest.raises(MemoryPlanError, match=r"Unknown unit 'XB' in --gpu-memory '4XB'"):
-        parse_size("4XB", "--gpu-memory", MemoryPlanError)
-    with pytest.raises(MemoryPlanError, match=r"Cannot read --cpu-memory 'lots'"):
-        parse_size("lots", "--cpu-memory", MemoryPlanError)
+        parse_size("16", "--device-memory", MemoryPlanError)
+    with pytest.raises(MemoryPlanError, match=r"Unknown unit 'XB' in --device-memory '4XB'"):
+        parse_size("4XB", "--device-memory", MemoryPlanError)
+    with pytest.raises(MemoryPlanError, match=r"Cannot read --host-memory 'lots'"):
+        parse_size("lots", "--host-memory", MemoryPlanError)
     with pytest.raises(MemoryPlanError, match=r"--params must be a positive number, got '-7e9'"):
         parse_count("-7e9", "--params")
     with pytest.raises(MemoryPlanError, match=r"--params must be a number such as 7e9, got 'seven'"):

@@ -22,7 +22,15 @@ from typing import Any
 
 from lightspeed.cli.selftest.checks import Check, compare_ranks, diagnose, last_error_line
 from lightspeed.cli.selftest.runner import free_port, run_process_group
-from lightspeed.cli.usage import EXIT_CHECK_FAILED, EXIT_OK, Command, UsageError, require_nvme_path
+from lightspeed.cli.usage import (
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    PRECISIONS_TEXT,
+    Command,
+    UsageError,
+    add_accelerator_argument,
+    require_nvme_path,
+)
 from lightspeed.core.zero.config import NVME_PATH_ENV, ZERO_PRESETS, build_zero_config
 from lightspeed.core.zero.runtime import export_deepspeed_accelerator
 
@@ -33,15 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategy", default="zero2", help="registered strategy name (default zero2), e.g. zero3_offload"
     )
     parser.add_argument("--devices", type=int, help="processes: default all GPUs, or 2 CPU processes without a GPU")
-    parser.add_argument(
-        "--accelerator",
-        choices=("auto", "cpu", "gpu"),
-        default="auto",
-        help="auto (default): GPUs when there are any, else the CPU with gloo",
-    )
+    add_accelerator_argument(parser, "auto (default): the GPUs when there are any, else the CPU with gloo")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     parser.add_argument(
-        "--precision", help="Trainer precision (default: 32-true on CPU, bf16-mixed or 16-mixed on GPU)"
+        "--precision",
+        help=f"Lightning precision: {PRECISIONS_TEXT} (default: 32-true on the CPU; on GPUs the mixed precision "
+        "GPU runs train in, bf16-mixed where the GPU supports bf16, else 16-mixed, so that the check covers it)",
     )
     parser.add_argument("--nvme-path", help="directory on an NVMe drive, for NVMe strategies")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before the run counts as hung (600)")
@@ -53,13 +58,13 @@ def _plan_run(args: argparse.Namespace) -> tuple[str, int, str]:
     import torch
 
     has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    accelerator = args.accelerator if args.accelerator != "auto" else ("gpu" if has_gpu else "cpu")
-    if accelerator == "gpu" and not has_gpu:
-        raise UsageError("--accelerator gpu, but no CUDA GPU is visible here. Use --accelerator cpu.")
-    devices = args.devices or (torch.cuda.device_count() if accelerator == "gpu" else 2)
+    accelerator = args.accelerator if args.accelerator != "auto" else ("cuda" if has_gpu else "cpu")
+    if accelerator == "cuda" and not has_gpu:
+        raise UsageError("--accelerator cuda, but no CUDA GPU is visible here. Use --accelerator cpu.")
+    devices = args.devices or (torch.cuda.device_count() if accelerator == "cuda" else 2)
     if devices < 1:
         raise UsageError(f"--devices must be at least 1, got {devices}.")
-    if accelerator == "gpu" and devices > torch.cuda.device_count():
+    if accelerator == "cuda" and devices > torch.cuda.device_count():
         raise UsageError(f"--devices {devices}, but only {torch.cuda.device_count()} GPU(s) are visible.")
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}.")
@@ -91,8 +96,8 @@ def _check_strategy(name: str, nvme_path: str | None) -> dict[str, Any]:
 
 
 def _deepspeed_kind(accelerator: str) -> str:
-    """DeepSpeed's accelerator ("cuda" or "cpu") for the Trainer accelerator of this run."""
-    return "cuda" if accelerator == "gpu" else "cpu"
+    """DeepSpeed's accelerator ("cuda" or "cpu") for the Trainer accelerator of this run (the same names)."""
+    return "cuda" if accelerator == "cuda" else "cpu"
 
 
 def _preflight(params: dict[str, Any], accelerator: str) -> list[Check]:
@@ -168,8 +173,9 @@ def _worker_logs(work: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     """Plan, check the DeepSpeed ops, launch the workers, compare their results and print the verdict."""
     accelerator, devices, precision = _plan_run(args)
-    params = _check_strategy(args.strategy, args.nvme_path)
-    kind = f"{devices} GPU(s)" if accelerator == "gpu" else f"{devices} CPU processes (gloo)"
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; stdout is for the verdict
+        params = _check_strategy(args.strategy, args.nvme_path)
+    kind = f"{devices} GPU(s)" if accelerator == "cuda" else f"{devices} CPU processes (gloo)"
     print(f"lightspeed test: {args.strategy} on {kind}, {args.steps} steps, precision {precision}", flush=True)
 
     checks = _preflight(params, accelerator)

@@ -86,7 +86,7 @@ def run_worker(args: argparse.Namespace) -> None:
     initial = _digest(list(model.parameters()))
     generator = torch.Generator().manual_seed(SEED)
     data = TensorDataset(torch.randn(64, 16, generator=generator), torch.randn(64, 4, generator=generator))
-    accelerator = "gpu" if args.accelerator == "gpu" else "cpu"
+    accelerator = "cuda" if args.accelerator in ("cuda", "gpu") else "cpu"
     trainer = L.Trainer(
         strategy=args.strategy,
         accelerator=accelerator,

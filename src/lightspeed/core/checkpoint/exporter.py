@@ -62,10 +62,10 @@ def export_zero_checkpoint(
     check_output_dir(output_dir, options.overwrite)
     checkpoint_info = read_zero_checkpoint(checkpoint, options.tag)
     kinds = {source.name: source.kind for source in checkpoint_info.tensors}
-    if options.exclude_frozen and checkpoint_info.stage == 0 and "module" in kinds.values():
+    if options.exclude_frozen_parameters and checkpoint_info.stage == 0 and "module" in kinds.values():
         raise ExportError(
             f"{checkpoint_info.files.tag_dir}: a ZeRO stage 0 checkpoint does not record which parameters were "
-            "frozen, so exclude_frozen cannot be honoured; export everything instead"
+            "frozen, so exclude_frozen_parameters cannot be honoured; export everything instead"
         )
     source = {
         "source": "deepspeed_checkpoint",
@@ -86,16 +86,16 @@ def export_lightning_file(
     """Write the ``state_dict`` of the single-file Lightning checkpoint ``checkpoint`` as safetensors shards.
 
     Tensors are exported as saved (the training dtype), converted to ``options.dtype`` when floating; same
-    guarantees as :func:`export_zero_checkpoint`. ``exclude_frozen`` is refused: such a file does not record
-    ``requires_grad``; ``options.tag`` is not read (see :func:`export_checkpoint_path`).
+    guarantees as :func:`export_zero_checkpoint`. ``exclude_frozen_parameters`` is refused: such a file does not
+    record ``requires_grad``; ``options.tag`` is not read (see :func:`export_checkpoint_path`).
     """
     check_output_dir(output_dir, options.overwrite)
     checkpoint_info = read_lightning_file(checkpoint)
-    if options.exclude_frozen:
+    if options.exclude_frozen_parameters:
         raise ExportError(
             f"{checkpoint_info.path}: a single-file Lightning checkpoint does not record which parameters were frozen "
-            "(its state_dict holds plain tensors, without requires_grad), so exclude_frozen cannot be honoured; "
-            "export everything, or use strip_prefix to keep one sub-module"
+            "(its state_dict holds plain tensors, without requires_grad), so exclude_frozen_parameters cannot be "
+            "honoured; export everything, or use strip_prefix to keep one sub-module"
         )
     source = {"source": "lightning_checkpoint", "file": checkpoint_info.path.name, **checkpoint_info.info}
     return _write_export(checkpoint_info, source, output_dir, options, progress)
@@ -157,7 +157,11 @@ def _write_export(
     kinds = {name: source.kind for name, source in by_name.items()}
     keys = [source.name for source in checkpoint.tensors] + list(checkpoint.aliases)
     stored, aliases = select_keys(
-        keys, kinds, checkpoint.aliases, exclude_frozen=options.exclude_frozen, strip_prefix=options.strip_prefix
+        keys,
+        kinds,
+        checkpoint.aliases,
+        exclude_frozen_parameters=options.exclude_frozen_parameters,
+        strip_prefix=options.strip_prefix,
     )
     reader = RegionReader()
 

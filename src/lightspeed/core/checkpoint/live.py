@@ -123,7 +123,11 @@ def export_engine(
     tensors_by_name = {unwrap(k): v for k, v in tensors_by_name.items()}
     skipped = [unwrap(k) for k in skipped]
     stored, exported_aliases = select_keys(
-        keys, kinds, aliases, exclude_frozen=options.exclude_frozen, strip_prefix=options.strip_prefix
+        keys,
+        kinds,
+        aliases,
+        exclude_frozen_parameters=options.exclude_frozen_parameters,
+        strip_prefix=options.strip_prefix,
     )
 
     def spec(name: str, owner: str) -> OutputTensor:

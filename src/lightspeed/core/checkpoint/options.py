@@ -29,7 +29,7 @@ class ExportOptions:
             their dtype.
         max_shard_size: largest shard (``"2GB"``, ``"500MiB"``, bytes); None writes one file.
         tag: checkpoint tag to export (default: the one in ``latest``); DeepSpeed checkpoint directories only.
-        exclude_frozen: leave out parameters with ``requires_grad=False``.
+        exclude_frozen_parameters: leave out parameters with ``requires_grad=False``.
         strip_prefix: export only keys under this prefix, without it (e.g. ``"model."``).
         overwrite: replace a non-empty output directory.
         hf_config: write ``config.json`` beside the weights so ``from_pretrained`` loads the export: a Hugging Face
@@ -43,7 +43,7 @@ class ExportOptions:
     dtype: str | torch.dtype = "fp32"
     max_shard_size: int | str | None = "5GB"
     tag: str | None = None
-    exclude_frozen: bool = False
+    exclude_frozen_parameters: bool = False
     strip_prefix: str | None = None
     overwrite: bool = False
     hf_config: Any = field(default=None, hash=False)

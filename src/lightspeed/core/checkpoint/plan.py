@@ -87,7 +87,7 @@ def select_keys(
     kinds: dict[str, str],
     aliases: dict[str, str],
     *,
-    exclude_frozen: bool = False,
+    exclude_frozen_parameters: bool = False,
     strip_prefix: str | None = None,
 ) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """Choose the exported keys.
@@ -106,7 +106,7 @@ def select_keys(
 
     def wanted(name: str) -> bool:
         owner = aliases.get(name, name)
-        if exclude_frozen and kinds.get(owner) == "frozen":
+        if exclude_frozen_parameters and kinds.get(owner) == "frozen":
             return False
         return under_prefix(name)
 

@@ -27,7 +27,7 @@ The rules (what counts as real, and in which order gathered samples come back):
 In these last two layouts (:attr:`GatherState.batches_may_differ`) the ranks may also run different numbers of
 batches: the gathers compare only which call each rank is in, not its batch number, so one gather of everything after
 the loop (or at the end of the epoch) works, while a gather per batch still meets a rank that has finished (a
-``CallSiteMismatch`` on every rank).
+``CallSiteMismatchError`` on every rank).
 
 **Where the DistributedSampler is found** (:func:`find_distributed_sampler`): anywhere in the chain of samplers and
 batch samplers the dataloader draws from, through the attributes ``sampler``, ``batch_sampler``,

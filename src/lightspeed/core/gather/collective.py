@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lightspeed.core.common.distributed import is_distributed
-from lightspeed.core.errors import CallSiteMismatch, GatherError
+from lightspeed.core.errors import CallSiteMismatchError, GatherError
 from lightspeed.core.gather.accounting import GatherState, current_state
 
 TIMEOUT_ENV = "LIGHTSPEED_GATHER_TIMEOUT"
@@ -184,7 +184,7 @@ def agree(
         dist.all_gather_object(details, (list(signature), call_site_text, error, error_type))
         errors = [kind for _, _, err, kind in details if err]
         different_sites = len({site for _, site, _, _ in details}) > 1
-        raising = errors[0] if errors else (CallSiteMismatch if different_sites else GatherError)
+        raising = errors[0] if errors else (CallSiteMismatchError if different_sites else GatherError)
         raise raising(describe_disagreement(what, [d[:3] for d in details]))
     payloads = [row[6 : 6 + len(payload)] for row in rows] if inline_payload else all_gather_ints(payload)
     if data is None:

@@ -26,7 +26,7 @@ from torchmetrics import Metric, MetricCollection
 
 from lightspeed.core.common.distributed import is_distributed, values_by_rank
 from lightspeed.core.common.sizes import parse_size
-from lightspeed.core.errors import CallSiteMismatch, StepOutputError
+from lightspeed.core.errors import CallSiteMismatchError, StepOutputError
 from lightspeed.core.gather.accounting import GatherState
 from lightspeed.core.gather.api import track
 from lightspeed.core.gather.collective import comm_device
@@ -235,8 +235,8 @@ class LoaderMetrics:
             return
         try:
             batches = window.gather(self._current_state(), error_type=StepOutputError)
-        except CallSiteMismatch as err:
-            raise CallSiteMismatch(
+        except CallSiteMismatchError as err:
+            raise CallSiteMismatchError(
                 f"{err} {self.owner} gathers its outputs after the same batches on every rank (here a window of "
                 f"{window.batches} batches), sized from the first batch's outputs and closed early when their shape "
                 "or dtype changes; predictions or targets whose shape beyond dim 0 differs between ranks make the "
