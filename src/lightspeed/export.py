@@ -38,9 +38,9 @@ from lightspeed.core import errors as _errors
 from lightspeed.core.checkpoint.exporter import ExportResult, export_checkpoint_path
 from lightspeed.core.checkpoint.loading import LoadResult
 from lightspeed.core.checkpoint.loading import load_exported as _load_exported
-from lightspeed.core.checkpoint.options import ExportOptions
+from lightspeed.core.checkpoint.options import ExportOptions, exclude_frozen_choice
 from lightspeed.core.checkpoint.safetensors_writer import Progress
-from lightspeed.core.common.deprecation import moved_attribute, renamed_keyword
+from lightspeed.core.common.deprecation import moved_attribute
 
 __all__ = ["ExportResult", "LoadResult", "export_checkpoint", "load_exported"]
 
@@ -99,14 +99,7 @@ def export_checkpoint(
         dtype=dtype,
         max_shard_size=max_shard_size,
         tag=tag,
-        exclude_frozen_parameters=renamed_keyword(
-            "export_checkpoint",
-            "exclude_frozen",
-            "exclude_frozen_parameters",
-            exclude_frozen,
-            exclude_frozen_parameters,
-            False,
-        ),
+        exclude_frozen_parameters=exclude_frozen_choice("export_checkpoint", exclude_frozen_parameters, exclude_frozen),
         strip_prefix=strip_prefix,
         overwrite=overwrite,
         hf_config=hf_config,

@@ -42,8 +42,7 @@ from typing_extensions import override
 from lightspeed.core.checkpoint.exporter import ExportResult
 from lightspeed.core.checkpoint.hf_config import find_hf_config
 from lightspeed.core.checkpoint.live import export_engine
-from lightspeed.core.checkpoint.options import ExportOptions
-from lightspeed.core.common.deprecation import renamed_keyword
+from lightspeed.core.checkpoint.options import ExportOptions, exclude_frozen_choice
 from lightspeed.core.errors import ExportError
 from lightspeed.core.reliability.staging import check_output_dir_on_every_rank
 
@@ -89,14 +88,7 @@ class ZeroExport(Callback):
         self.options = ExportOptions(
             dtype=dtype,
             max_shard_size=max_shard_size,
-            exclude_frozen_parameters=renamed_keyword(
-                "ZeroExport",
-                "exclude_frozen",
-                "exclude_frozen_parameters",
-                exclude_frozen,
-                exclude_frozen_parameters,
-                False,
-            ),
+            exclude_frozen_parameters=exclude_frozen_choice("ZeroExport", exclude_frozen_parameters, exclude_frozen),
             strip_prefix=strip_prefix,
             overwrite=overwrite,
             hf_config=None if hf_config is False else hf_config,

@@ -43,7 +43,7 @@ from typing_extensions import override
 
 from lightspeed.core.zero.compile import CompileRequest
 from lightspeed.core.zero.config import AUTO
-from lightspeed.core.zero.config.keywords import named_arguments, unknown_keywords_error
+from lightspeed.core.zero.config.keywords import refuse_unknown_keywords
 from lightspeed.core.zero.config.model_recipe import ModelRecipe, arguments_outside_recipe
 from lightspeed.core.zero.parameter_checks import check_parameters_for_zero
 from lightspeed.core.zero.runtime import zero_device_kind
@@ -147,10 +147,7 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
         compile_kwargs: dict[str, Any] | None = None,
         **unsupported: Any,
     ) -> None:
-        if unsupported:
-            raise unknown_keywords_error(
-                type(self).__name__, unsupported, named_arguments(ZeroFabricStrategy), "Fabric"
-            )
+        refuse_unknown_keywords(type(self).__name__, unsupported, ZeroFabricStrategy, "Fabric")
         recipe_of_models = ModelRecipe.from_arguments(locals(), front_end="Fabric")
         recipe = recipe_of_models.config()
         self._init_lightning(recipe, {**locals(), "activation_checkpointing_policy": recipe_of_models.tuning.policy})

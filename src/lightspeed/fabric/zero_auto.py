@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightspeed.core.zero.config import resolve_config_with_notes
-from lightspeed.core.zero.config.keywords import named_arguments, unknown_keywords_error
+from lightspeed.core.zero.config.keywords import refuse_unknown_keywords
 from lightspeed.core.zero.engine import one_optimizer_error
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Plan, ZeroOption
 from lightspeed.core.zero.tuner import TrialParts, copy_module_and_optimizer, first_batches, zero_auto_requests
@@ -81,10 +81,7 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
             )
         self._tune_batches, self._tune_loss = tune_batches, tune_loss
         self.request, self.tune_request = zero_auto_requests(locals(), "Fabric")
-        passed_on = set(named_arguments(ZeroFabricStrategy)) - _DECIDED_HERE
-        unknown = {name: value for name, value in kwargs.items() if name not in passed_on}
-        if unknown:
-            raise unknown_keywords_error(type(self).__name__, unknown, named_arguments(ZeroFabricStrategy), "Fabric")
+        refuse_unknown_keywords(type(self).__name__, kwargs, ZeroFabricStrategy, "Fabric", decided=_DECIDED_HERE)
         self._init_lightning(
             self.request.user_config, {**kwargs, "activation_checkpointing_policy": self.request.tuning.policy}
         )

@@ -32,7 +32,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightspeed.core.zero.config.keywords import named_arguments, unknown_keywords_error
+from lightspeed.core.zero.config.keywords import refuse_unknown_keywords
 from lightspeed.core.zero.config.model_recipe import ModelRecipe, arguments_outside_recipe, model_recipes
 from lightspeed.core.zero.runtime import zero_device_kind
 from lightspeed.core.zero.session import ZeroConfigProperties, ZeroSession
@@ -147,8 +147,7 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         models: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
         **unsupported: Any,
     ) -> None:
-        if unsupported:  # Lightning DeepSpeedStrategy's keywords, Fabric's: what to do instead
-            raise unknown_keywords_error(type(self).__name__, unsupported, named_arguments(ZeroStrategy), "Trainer")
+        refuse_unknown_keywords(type(self).__name__, unsupported, ZeroStrategy, "Trainer")
         recipe = ModelRecipe.from_arguments(locals(), front_end="Trainer")
         deepspeed_config = recipe.config()
         options = parse_model_options(models, "ZeroStrategy(models=...)")

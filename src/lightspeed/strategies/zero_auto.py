@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightspeed.core.zero.config import resolve_config_with_notes
-from lightspeed.core.zero.config.keywords import named_arguments, unknown_keywords_error
+from lightspeed.core.zero.config.keywords import refuse_unknown_keywords
 from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Plan, ZeroOption
 from lightspeed.core.zero.tuner import TrialParts, first_batches, zero_auto_requests
 from lightspeed.strategies._training_facts import collect_training_facts
@@ -98,9 +98,7 @@ class ZeroAutoStrategy(ZeroStrategy):
         **kwargs: Any,
     ) -> None:
         self.request, self.tune_request = zero_auto_requests(locals(), "Trainer")
-        unknown = {name: value for name, value in kwargs.items() if name not in named_arguments(ZeroStrategy)}
-        if unknown:
-            raise unknown_keywords_error(type(self).__name__, unknown, named_arguments(ZeroStrategy), "Trainer")
+        refuse_unknown_keywords(type(self).__name__, kwargs, ZeroStrategy, "Trainer")
         self._init_lightning(
             self.request.user_config, {**kwargs, "activation_checkpointing_policy": self.request.tuning.policy}
         )

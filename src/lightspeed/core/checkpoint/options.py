@@ -15,8 +15,17 @@ import torch
 from lightspeed.core.checkpoint.hf_config import HFConfigFiles, resolve_hf_config
 from lightspeed.core.checkpoint.plan import resolve_dtype
 from lightspeed.core.checkpoint.safetensors_writer import parse_shard_size
+from lightspeed.core.common.deprecation import renamed_keyword
 
-__all__ = ["ExportOptions"]
+__all__ = ["ExportOptions", "exclude_frozen_choice"]
+
+
+def exclude_frozen_choice(owner: str, exclude_frozen_parameters: bool, exclude_frozen: bool | None) -> bool:
+    """``exclude_frozen_parameters`` of ``owner`` (``export_checkpoint``, ``ZeroExport``), or the value given under
+    its deprecated name ``exclude_frozen`` (with a ``FutureWarning`` pointing at the user's call of ``owner``)."""
+    return renamed_keyword(
+        owner, "exclude_frozen", "exclude_frozen_parameters", exclude_frozen, exclude_frozen_parameters, False, depth=2
+    )
 
 
 @dataclass(frozen=True)

@@ -41,13 +41,14 @@ def moved_attribute(module: str, name: str, moved: Mapping[str, tuple[str, Any]]
     return value
 
 
-def renamed_keyword(owner: str, old: str, new: str, old_value: T | None, new_value: T, default: T) -> T:
+def renamed_keyword(owner: str, old: str, new: str, old_value: T | None, new_value: T, default: T, depth: int = 1) -> T:
     """The value of the keyword ``new`` of ``owner`` (a function or class, as users write it) whose old name was
     ``old``: ``old_value`` (None when the caller did not pass ``old``) wins, after a ``FutureWarning`` pointing at the
-    caller of ``owner``; passing both with different values is a ``TypeError``."""
+    caller of ``owner`` (``depth``: the calls between ``owner`` and this function, itself included); passing both
+    with different values is a ``TypeError``."""
     if old_value is None:
         return new_value
-    warn_deprecated(f"{owner}({old}=...)", f"{new}=...", stacklevel=3)  # this function, owner, the user
+    warn_deprecated(f"{owner}({old}=...)", f"{new}=...", stacklevel=2 + depth)  # this function, owner, the user
     if new_value != default and new_value != old_value:
         raise TypeError(
             f"{owner} got {new}={new_value!r} and its deprecated name {old}={old_value!r}; pass {new} only."

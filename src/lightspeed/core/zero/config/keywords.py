@@ -8,7 +8,7 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["named_arguments", "unknown_keywords_error"]
+__all__ = ["named_arguments", "refuse_unknown_keywords", "unknown_keywords_error"]
 
 _CONFIG_HINT = "write it into the DeepSpeed config instead: {cls}(config={{...}})"
 #: Lightning DeepSpeedStrategy keywords that neither front end takes, with what to do instead
@@ -81,6 +81,17 @@ def unknown_keywords_error(
         + "\n  - ".join(lines)
         + f"\n{cls_name} takes: {', '.join(takes)}."
     )
+
+
+def refuse_unknown_keywords(
+    cls_name: str, keywords: Mapping[str, Any], strategy: type, front_end: str, decided: frozenset[str] = frozenset()
+) -> None:
+    """Raise :func:`unknown_keywords_error` for the ``keywords`` that ``strategy`` does not take by name (or that the
+    caller ``decided`` itself), naming ``cls_name``, the class the user called."""
+    takes = named_arguments(strategy)
+    unknown = {name: value for name, value in keywords.items() if name not in takes or name in decided}
+    if unknown:
+        raise unknown_keywords_error(cls_name, unknown, takes, front_end)
 
 
 def named_arguments(cls: type) -> list[str]:
