@@ -180,12 +180,14 @@ class GatherForMetrics(Callback):
     def _epoch_start(self, trainer: Trainer, stage: str) -> None:
         self.states[stage] = {}
         loaders = self._dataloaders(trainer, stage)
-        for idx in range(len(loaders)):
-            self._record(stage, idx)
-        uneven = self._uneven_dataloaders(trainer, stage, loaders)
-        for (record_stage, _), record in self._records.items():
-            if record_stage == stage:
-                record.start_epoch(uneven=record.name in uneven)
+        records = self._stage_records(stage, len(loaders))
+        uneven = self._uneven_dataloaders(trainer, stage, records, loaders)
+        for record in records:
+            record.start_epoch(uneven=record.name in uneven)
+
+    def _stage_records(self, stage: str, count: int) -> list[LoaderMetrics]:
+        """The records of the ``count`` dataloaders evaluated in ``stage``, by index."""
+        return [self._record(stage, idx) for idx in range(count)]
 
     def _record(self, stage: str, dataloader_idx: int) -> LoaderMetrics:
         key = (stage, dataloader_idx)
@@ -200,7 +202,9 @@ class GatherForMetrics(Callback):
             )
         return self._records[key]
 
-    def _uneven_dataloaders(self, trainer: Trainer, stage: str, loaders: list[Any]) -> set[str]:
+    def _uneven_dataloaders(
+        self, trainer: Trainer, stage: str, records: list[LoaderMetrics], loaders: list[Any]
+    ) -> set[str]:
         """The names of this epoch's dataloaders whose ranks run different numbers of batches (a collective only when
         the callback gathers outputs at all and some dataloader may)."""
         if not self.metrics:
@@ -209,7 +213,7 @@ class GatherForMetrics(Callback):
             counts = trainer.num_test_batches
         else:
             counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
-        names = [self._record(stage, idx).name for idx in range(len(loaders))]
+        names = [record.name for record in records]
         return uneven_dataloaders(dict(zip(names, loaders, strict=True)), dict(zip(names, counts, strict=False)))
 
     def _new_state(self, trainer: Trainer, stage: str, dataloader_idx: int) -> GatherState:
@@ -237,7 +241,7 @@ class GatherForMetrics(Callback):
 
     def _epoch_end(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         states = self.states.setdefault(stage, {})
-        records = [self._record(stage, idx) for idx in range(len(self._dataloaders(trainer, stage)))]
+        records = self._stage_records(stage, len(self._dataloaders(trainer, stage)))
         layouts = uneven_layouts(records)
         for idx, record in enumerate(records):
             if record.name in layouts and idx not in states:  # a rank that ran none of its batches joins the gather

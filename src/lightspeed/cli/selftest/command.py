@@ -95,11 +95,6 @@ def _check_strategy(name: str, nvme_path: str | None) -> dict[str, Any]:
     return StrategyRegistry[name].get("init_params", {})
 
 
-def _deepspeed_kind(accelerator: str) -> str:
-    """DeepSpeed's accelerator ("cuda" or "cpu") for the Trainer accelerator of this run (the same names)."""
-    return "cuda" if accelerator == "cuda" else "cpu"
-
-
 def _preflight(params: dict[str, Any], accelerator: str) -> list[Check]:
     """Checks that can fail before anything is launched: the DeepSpeed ops the strategy needs."""
     targets = {params.get("offload_optimizer", "none"), params.get("offload_parameters", "none")}
@@ -109,7 +104,7 @@ def _preflight(params: dict[str, Any], accelerator: str) -> list[Check]:
     from lightspeed.cli.env_command import deepspeed_ops
 
     with contextlib.redirect_stdout(sys.stderr):
-        ops = deepspeed_ops(_deepspeed_kind(accelerator))
+        ops = deepspeed_ops(accelerator)  # DeepSpeed's and the Trainer's names agree: cuda, cpu
     checks = []
     for op in needed:
         entry = ops.get(op, {"usable": False, "why": "not available for this accelerator"})
@@ -128,7 +123,7 @@ def _clear_stale_results(work: Path) -> None:
 def _launch(
     args: argparse.Namespace, accelerator: str, devices: int, precision: str, work: Path
 ) -> subprocess.CompletedProcess:
-    export_deepspeed_accelerator(_deepspeed_kind(accelerator))  # inherited by torchrun and every rank
+    export_deepspeed_accelerator(accelerator)  # inherited by torchrun and every rank
     env = dict(os.environ)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         env.pop(key, None)

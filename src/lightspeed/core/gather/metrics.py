@@ -365,7 +365,15 @@ def exact_metrics(
     owner = "lightspeed.exact_metrics"
     policy = WindowPolicy.parse(gather_every, buffer_limit, owner)
     record = LoaderMetrics(checked_metrics(metrics, owner), policy, "dataloader 0", owner, "step(batch)")
-    place = torch.device(device) if device is not None else None
+    given = torch.device(device) if device is not None else None
+
+    def where(preds: Any = None) -> torch.device:
+        """The metric copies' device: the caller's, else the first predictions', else the process group's."""
+        nonlocal given
+        if given is None and isinstance(preds, torch.Tensor):
+            given = preds.device
+        return given or _default_device()
+
     try:
         batches = float(len(dataloader))  # type: ignore[arg-type]
     except TypeError:  # an IterableDataset without __len__
@@ -375,17 +383,13 @@ def exact_metrics(
     for batch in track(dataloader, state):
         outputs = step(batch)
         if isinstance(outputs, tuple | list) and len(outputs) == 2:
-            if place is None and isinstance(outputs[0], torch.Tensor):
-                place = outputs[0].device
-            record.add(outputs[0], outputs[1], place or _default_device())
+            record.add(outputs[0], outputs[1], where(outputs[0]))
         else:
             sized = f" of {len(outputs)}" if isinstance(outputs, tuple | list) else ""
             returned = f"a {type(outputs).__name__}{sized}"
-            record.add_problem(
-                f"{owner}: step(batch) returned {returned}; return (preds, target).", place or _default_device()
-            )
-    record.gather_rest(place or _default_device(), uneven_layouts([record]))
-    return record.compute(place or _default_device())
+            record.add_problem(f"{owner}: step(batch) returned {returned}; return (preds, target).", where())
+    record.gather_rest(where(), uneven_layouts([record]))
+    return record.compute(where())
 
 
 def _default_device() -> torch.device:

@@ -88,6 +88,8 @@ def refuse_unknown_keywords(
 ) -> None:
     """Raise :func:`unknown_keywords_error` for the ``keywords`` that ``strategy`` does not take by name (or that the
     caller ``decided`` itself), naming ``cls_name``, the class the user called."""
+    if not keywords:  # the usual case: nothing to read the signature for
+        return
     takes = named_arguments(strategy)
     unknown = {name: value for name, value in keywords.items() if name not in takes or name in decided}
     if unknown:
