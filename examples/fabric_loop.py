@@ -66,7 +66,7 @@ def main() -> None:
     train, val = fabric.setup_dataloaders(train, val)
 
     # A model too big for one process: build it under `with fabric.init_module():` and ZeRO-3 creates each rank's
-    # shard only (layers must be created, not deep-copied: nn.TransformerEncoder, used here, copies its layer).
+    # shard only (nn.TransformerEncoder, used here, deep-copies its layer: the copies are partitioned too).
     with fabric.init_module():
         model = TinyGPT(len(ALPHABET), args.context)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)  # CPU Adam under offload

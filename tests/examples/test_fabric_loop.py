@@ -26,3 +26,12 @@ def test_the_fabric_example_trains_resumes_and_exports(tmp_path: Path) -> None:
     assert perplexities(second.stdout)[1] < perplexities(first.stdout)[0]
     assert f"to {tmp_path / 'export'}; reloaded into a plain TinyGPT" in second.stdout
     assert "tokens.weight" in load_file(tmp_path / "export" / "model.safetensors")
+
+
+def test_the_fabric_example_builds_its_encoder_partitioned_under_zero3_offload(tmp_path: Path) -> None:
+    """The strategy the example's docstring and docs/fabric.md name: its ``nn.TransformerEncoder`` deep-copies its
+    layer under ``fabric.init_module()``."""
+    run = run_python(SCRIPT, ["--strategy", "zero3_offload", "--epochs", "1", "--out", tmp_path], timeout=600)
+    assert list(perplexities(run.stdout)) == [0], run.stdout[-3000:]
+    assert "ZeRO-3, optimizer states on cpu, parameters on cpu" in run.stdout + run.stderr
+    assert "tokens.weight" in load_file(tmp_path / "export" / "model.safetensors")

@@ -484,11 +484,3 @@ def test_accumulate_argument_errors() -> None:
     lightning_deepspeed = L.Fabric(strategy="deepspeed_stage_2", accelerator="cpu", devices=2)
     with pytest.raises(TypeError, match="needs lightspeed's ZeRO strategies for DeepSpeed"):
         lightspeed.fabric.accumulate(lightning_deepspeed, nn.Linear(1, 1), [], steps=2)
-
-
-def test_a_module_deep_copied_under_sharded_init_is_refused(cases: Path) -> None:
-    error = _meta(cases, "errors_zero3")["deepcopy_under_init_module"]
-    assert error["type"] == "DeepSpeedConfigError"
-    assert error["message"].startswith("Parameters layers.0.self_attn.in_proj_weight, ")
-    assert "were built under `fabric.init_module()` with ZeRO-3 but lost their partition" in error["message"]
-    assert "Build the model outside `fabric.init_module()`" in error["message"]

@@ -17,7 +17,12 @@ import lightspeed
 from _support import several_models as sm
 from _support.launch import REPO_ROOT, run_torchrun
 from lightspeed.core.errors import DeepSpeedConfigError
-from lightspeed.core.zero.several_models import assign_optimizers, engine_for_backward, parse_model_options
+from lightspeed.core.zero.several_models import (
+    assign_optimizers,
+    engine_for_backward,
+    infer_models,
+    parse_model_options,
+)
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_several_models.py"
 
@@ -45,6 +50,20 @@ def test_a_gan_whose_generator_steps_first_through_the_frozen_discriminator_trai
     that engine used to crash."""
     _, result = run
     sm.close(result["gan"]["generator_first"], sm.gan_reference(sm.EPOCHS, generator_first=True), "generator first")
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_a_gan_under_a_plain_strategy_name_gets_one_engine_per_model_and_trains_like_one_process(
+    run: tuple[Path, dict[str, Any]], name: str
+) -> None:
+    """Lightning's basic GAN (two optimizers, each over one attribute's parameters) with ``strategy="zero2"`` /
+    ``"zero3"``: the models are inferred from the optimizers, which is logged once."""
+    gan = run[1]["gan"]
+    sm.close(gan[f"inferred_{name}"], sm.gan_reference(sm.EPOCHS, generator_first=True), name)
+    assert gan[f"inferred_{name}_log"] == [
+        "lightspeed: `configure_optimizers` returned 2 optimizers, each training one attribute's parameters: one "
+        "engine per model, as with ZeroStrategy(models=['generator', 'discriminator'])."
+    ]
 
 
 def test_a_gan_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(run: tuple[Path, dict[str, Any]]) -> None:
@@ -122,6 +141,37 @@ def test_two_optimizers_for_one_model_and_one_optimizer_for_two_models_are_refus
         "generator": None,
         "discriminator": 0,
     }
+
+
+class _ThreeModels(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator, self.discriminator = sm.make_generator(), sm.make_discriminator()
+        self.teacher = sm.make_teacher()
+        self.loss = nn.MSELoss()  # no parameters: not a model
+
+
+def test_the_models_are_inferred_from_optimizers_over_one_attribute_each() -> None:
+    module = _ThreeModels()
+    opts = [torch.optim.SGD(module.discriminator.parameters(), lr=1), torch.optim.SGD(module.generator.parameters())]
+    # in the optimizers' order; the child no optimizer trains is a frozen model
+    assert infer_models(module, opts, "x") == ["discriminator", "generator", "teacher"]
+
+
+def test_models_that_cannot_be_inferred_are_refused_with_the_reason() -> None:
+    module = _ThreeModels()
+    both = [*module.generator.parameters(), *module.discriminator.parameters()]
+    with pytest.raises(DeepSpeedConfigError) as err:
+        infer_models(module, [torch.optim.SGD(both, lr=1), torch.optim.SGD(module.teacher.parameters(), lr=1)], "x")
+    assert str(err.value) == (
+        "Optimizer 0 from x does not train exactly the parameters of one attribute of _ThreeModels (its children "
+        "with parameters: generator, discriminator, teacher), so the models to give one engine each cannot be "
+        "inferred"
+    )
+    module.scale = nn.Parameter(torch.ones(1))
+    opts = [torch.optim.SGD(module.generator.parameters(), lr=1), torch.optim.SGD(module.teacher.parameters(), lr=1)]
+    with pytest.raises(DeepSpeedConfigError, match=r"has parameters of its own outside its child modules \(scale\)"):
+        infer_models(module, opts, "x")
 
 
 def test_a_loss_reaching_two_trained_models_is_refused_with_what_to_do() -> None:

@@ -110,6 +110,10 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
             arguments, instead of Fabric compiling the whole engine.
         compile_kwargs: ``torch.compile`` arguments for ``engine.compile()``; given alone, it asks for compilation
             too.
+        leaf_modules: the modules ZeRO-3 gathers whole when they are called, marked at ``fabric.setup`` before the
+            engine is built: ``"auto"``, the model's mixture-of-experts blocks (ranks whose tokens reach different
+            experts stay in step), else module classes, class names or ends of module names, or ``None``; as for the
+            Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
         Other arguments: Fabric's (set by Fabric itself when the strategy is chosen by name).
     """
 
@@ -145,6 +149,7 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
         node_local_storage: bool = False,
         compile: bool = False,
         compile_kwargs: dict[str, Any] | None = None,
+        leaf_modules: Collection[type[Module] | str] | type[Module] | str | None = "auto",
         **unsupported: Any,
     ) -> None:
         refuse_unknown_keywords(type(self).__name__, unsupported, ZeroFabricStrategy, "Fabric")

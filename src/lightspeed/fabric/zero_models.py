@@ -1,7 +1,7 @@
 """Fabric's ZeRO strategy and the models users bring, as a mixin placed before Lightning Fabric's
 ``DeepSpeedStrategy``: inside ``fabric.init_module()`` transformers knows the ZeRO-3 config
-(:mod:`lightspeed.core.zero.hf_link`), so ``AutoModelForCausalLM.from_pretrained(path)`` builds and loads the model
-straight into partitions.
+(:mod:`lightspeed.core.zero.partitioned_build`), so ``AutoModelForCausalLM.from_pretrained(path)`` builds and loads the
+model straight into partitions, and layers deep-copied there (``nn.TransformerEncoder``) are partitioned copies.
 
 The Trainer's mixin also keeps generation in step; here ``fabric.setup`` does that
 (:class:`~lightspeed.fabric.ZeroFabricStrategy` builds the engine itself, :mod:`lightspeed.core.zero.generation`).
@@ -15,7 +15,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightspeed.core.zero.hf_link import transformers_zero3
+from lightspeed.core.zero.partitioned_build import building_into_partitions
 from lightspeed.fabric.mixin_bases import DeepSpeedStrategyBase
 
 __all__ = ["ZeroModelsMixin"]
@@ -28,9 +28,9 @@ class ZeroModelsMixin(DeepSpeedStrategyBase):
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        return self._sharded_and_known_to_transformers(super().module_sharded_context())
+        return self._sharded_build(super().module_sharded_context())
 
     @contextmanager
-    def _sharded_and_known_to_transformers(self, sharded: AbstractContextManager) -> Generator[None, None, None]:
-        with sharded, transformers_zero3(self.config, enabled=self.zero_stage_3):
+    def _sharded_build(self, sharded: AbstractContextManager) -> Generator[None, None, None]:
+        with sharded, building_into_partitions(self.config, self.zero_stage_3):
             yield

@@ -11,7 +11,7 @@ engine whose model the loss reaches, each optimizer's ``step()`` to its model's 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,19 +23,28 @@ from typing_extensions import override
 
 from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config import find_hidden_size, resolve_config
-from lightspeed.core.zero.config.model_recipe import ModelOptions
-from lightspeed.core.zero.engine import initialize_engine, prepare_optimizer
+from lightspeed.core.zero.config.model_recipe import ModelOptions, ModelRecipe, model_recipes
+from lightspeed.core.zero.engine import initialize_engine, one_optimizer_error, prepare_optimizer
+from lightspeed.core.zero.session import ZeroSession
 from lightspeed.core.zero.several_models import (
     assign_optimizers,
     engine_for_backward,
+    infer_models,
     model_dtype_for,
+    parse_model_options,
+    refuse_with_several_models,
     route_forward,
     without_training_sections,
 )
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies.mixin_bases import DeepSpeedStrategyBase
 
-__all__ = ["SeveralModelsMixin"]
+__all__ = ["SEVERAL_MODELS_HINT", "SeveralModelsMixin"]
+
+#: how this front end trains several models, each with its own optimizer (for the one-optimizer error)
+SEVERAL_MODELS_HINT = (
+    "give each its own engine: `ZeroStrategy(models=['generator', 'discriminator'])` with the attributes that hold them"
+)
 
 
 class SeveralModelsMixin(DeepSpeedStrategyBase):
@@ -43,14 +52,53 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
 
     _model_options: dict[str, ModelOptions]
     _model_recipes: dict[str, dict[str, Any]]
+    _session: ZeroSession
 
-    def _init_several_models(self, options: dict[str, ModelOptions], recipes: dict[str, dict[str, Any]]) -> None:
-        self._model_options = options
-        self._model_recipes = recipes
+    def _init_several_models(
+        self, options: dict[str, ModelOptions], recipe: ModelRecipe | None, refused: Mapping[str, Any]
+    ) -> None:
+        """``options``: the models of ``models=`` (empty: one engine for the module); ``recipe``: the strategy's,
+        which each model's config starts from (None: no models can be given or inferred); ``refused``: the strategy's
+        arguments that one engine per model does not support, by name."""
+        self._strategy_recipe = recipe
+        self._not_with_several_models = dict(refused)
+        self._use_models(options, "ZeroStrategy(models=...)")
         self.model_configs: dict[str, dict[str, Any]] = {}  # resolved, per model
         self.model_engines: dict[str, Any] = {}  # name -> engine (None: a frozen model without one)
         self._engine_of_optimizer: dict[int, Any] = {}
         self._route_undos: list[Callable[[], None]] = []
+
+    def _use_models(self, options: dict[str, ModelOptions], argument: str) -> None:
+        """Train the models ``options`` names with one engine each (``argument``: how they were given, for
+        messages)."""
+        self._model_options = options
+        self._model_recipes = {}
+        if options:
+            assert self._strategy_recipe is not None
+            refuse_with_several_models(options, argument, **self._not_with_several_models)
+            self._model_recipes = model_recipes(options, self._strategy_recipe, argument)
+
+    def _infer_models(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """``configure_optimizers`` returned several optimizers without ``models=``: one engine per model when each
+        optimizer trains exactly one attribute's parameters (logged in one line); otherwise an error that says why
+        and names ``models=``."""
+        module = self.lightning_module
+        assert module is not None
+        several = f"{len(optimizers)} optimizers"
+        if self._strategy_recipe is None:
+            raise one_optimizer_error(several, "`configure_optimizers` returned", SEVERAL_MODELS_HINT)
+        try:
+            names = infer_models(module, optimizers, "`configure_optimizers`")
+        except DeepSpeedConfigError as err:
+            raise DeepSpeedConfigError(
+                f"{one_optimizer_error(several, '`configure_optimizers` returned', SEVERAL_MODELS_HINT)} ({err}.)"
+            ) from None
+        argument = "the models inferred from `configure_optimizers`"
+        self._use_models(parse_model_options(names, argument), argument)
+        rank_zero_info(
+            f"lightspeed: `configure_optimizers` returned {several}, each training one attribute's parameters: one "
+            f"engine per model, as with ZeroStrategy(models={names!r})."
+        )
 
     @property
     def several_models(self) -> bool:
@@ -84,9 +132,12 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
             models[name] = model
         return models
 
-    def _build_model_engines(self, training: bool) -> None:
-        """One engine per named model (training: with its optimizer from ``configure_optimizers``; frozen models and
-        evaluation: an inference engine under ZeRO-3, none otherwise); calls of each model run its engine."""
+    def _build_model_engines(
+        self, training: bool, configured: tuple[list[torch.optim.Optimizer], list[Any]] | None = None
+    ) -> None:
+        """One engine per named model (training: with its optimizer from ``configure_optimizers``, or of
+        ``configured``, its optimizers and scheduler configs if it ran already; frozen models and evaluation: an
+        inference engine under ZeRO-3, none otherwise); calls of each model run its engine."""
         if self.model_engines:
             if not training or self.trained_models:
                 return  # evaluation after fit: the training engines hold the weights
@@ -97,7 +148,7 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
         optimizers: list[torch.optim.Optimizer] = []
         schedulers: list[Any] = []
         if training:
-            optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+            optimizers, schedulers = configured or _init_optimizers_and_lr_schedulers(module)
         assigned = assign_optimizers(models, optimizers, "`configure_optimizers`")
         facts = collect_training_facts(module, self.world_size, self.precision_plugin.precision, {})
         converted: dict[int, Any] = {}  # optimizer index -> what Lightning steps (see _ModelOptimizer)
@@ -116,7 +167,7 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
             if message is not None:
                 rank_zero_info(f"lightspeed: {name}: {message}")
             engine, deepspeed_optimizer, _ = initialize_engine(
-                config, model, optimizer, None, self.root_device.index, self.local_rank
+                config, model, optimizer, None, self.root_device.index, self.local_rank, self._session.leaf_modules
             )
             self.model_engines[name] = engine
             seen = _ModelOptimizer(deepspeed_optimizer, model.parameters())
@@ -143,7 +194,13 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
             rank_zero_info(f"lightspeed: {name!r} has no optimizer: its parameters are frozen (requires_grad=False).")
         if int(config["zero_optimization"].get("stage", 0)) == 3:
             engine, _, _ = initialize_engine(
-                without_training_sections(config), model, None, None, self.root_device.index, self.local_rank
+                without_training_sections(config),
+                model,
+                None,
+                None,
+                self.root_device.index,
+                self.local_rank,
+                self._session.leaf_modules,
             )
             return engine
         model.to(device=self.root_device, dtype=model_dtype_for(config))

@@ -33,10 +33,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightspeed.core.zero.config.keywords import refuse_unknown_keywords
-from lightspeed.core.zero.config.model_recipe import ModelRecipe, arguments_outside_recipe, model_recipes
+from lightspeed.core.zero.config.model_recipe import ModelRecipe, arguments_outside_recipe
 from lightspeed.core.zero.runtime import zero_device_kind
 from lightspeed.core.zero.session import ZeroConfigProperties, ZeroSession
-from lightspeed.core.zero.several_models import parse_model_options, refuse_with_several_models
+from lightspeed.core.zero.several_models import parse_model_options
 from lightspeed.strategies.compile_takeover import CompileTakeoverMixin
 from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationMixin
 from lightspeed.strategies.launchers import check_start_method, fork_launcher_if_wanted
@@ -106,6 +106,12 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
             3, "offload_parameters": "cpu"}}``. Each optimizer of ``configure_optimizers`` trains one model; a model
             without one is frozen (under ZeRO-3 partitioned, forward only). Checkpoints hold each trained model's
             engine in its own folder; exports write each trained model to ``<dirpath>/<name>/``.
+        leaf_modules: the modules whose parameters ZeRO-3 gathers whole when they are called (DeepSpeed's leaf
+            modules), marked before the engine is built. ``"auto"``: the model's mixture-of-experts blocks (a module
+            with an ``nn.ModuleList`` child named ``experts``, as HuggingFace's Mixtral, Qwen-MoE and DeepSeek blocks
+            have), so ranks whose tokens reach different experts stay in step. Otherwise the modules to mark instead:
+            module classes, class names or the ends of module names (``{MoeBlock}``, ``["Qwen3MoeSparseMoeBlock"]``,
+            ``["mlp"]``); each must name a module of the model. ``None``: none. ZeRO-3 only.
     """
 
     strategy_name = "zero"
@@ -145,23 +151,21 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         compile: bool = False,
         compile_kwargs: dict[str, Any] | None = None,
         models: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
+        leaf_modules: Collection[type[torch.nn.Module] | str] | type[torch.nn.Module] | str | None = "auto",
         **unsupported: Any,
     ) -> None:
         refuse_unknown_keywords(type(self).__name__, unsupported, ZeroStrategy, "Trainer")
         recipe = ModelRecipe.from_arguments(locals(), front_end="Trainer")
         deepspeed_config = recipe.config()
         options = parse_model_options(models, "ZeroStrategy(models=...)")
-        recipes = model_recipes(options, recipe, "ZeroStrategy(models=...)")
-        refuse_with_several_models(
-            options,
-            "ZeroStrategy(models=...)",
-            compile=compile or compile_kwargs,
-            load_full_weights=load_full_weights,
-            node_local_storage=node_local_storage,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-        )
+        not_with_several_models = {
+            "compile": compile or compile_kwargs,
+            "load_full_weights": load_full_weights,
+            "node_local_storage": node_local_storage,
+            "activation_checkpointing_policy": activation_checkpointing_policy,
+        }
         self._init_lightning(deepspeed_config, {**locals(), "activation_checkpointing_policy": recipe.tuning.policy})
-        self._init_several_models(options, recipes)
+        self._init_several_models(options, recipe, not_with_several_models)
 
     def _init_lightning(self, deepspeed_config: dict[str, Any], arguments: Mapping[str, Any]) -> None:
         """Lightning's ``DeepSpeedStrategy`` set-up around an already built DeepSpeed config, whose ``"auto"`` values
@@ -177,7 +181,7 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         self._start_method_choice = arguments.get("start_method")
         self._train_engine: deepspeed.DeepSpeedEngine | None = None
         self._failed = False  # set by on_exception, read by teardown
-        self._init_several_models({}, {})
+        self._init_several_models({}, None, {})
 
     def _device_kind(self) -> str:
         return zero_device_kind(self.accelerator)

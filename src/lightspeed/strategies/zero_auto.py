@@ -74,8 +74,8 @@ class ZeroAutoStrategy(ZeroStrategy):
         retune: measure even when the cache holds a decision.
         **kwargs: the other :class:`ZeroStrategy` arguments: ``pin_memory``, the bucket sizes, ``sub_group_size``
             (applied to whichever stage is chosen, where that stage has them), activation checkpointing
-            (``activation_checkpointing_policy`` and the ``activation_checkpointing`` section's arguments) and
-            Lightning's.
+            (``activation_checkpointing_policy`` and the ``activation_checkpointing`` section's arguments),
+            ``leaf_modules`` (marked when ZeRO-3 is chosen) and Lightning's.
     """
 
     strategy_name = "zero_auto"

@@ -19,6 +19,7 @@ from lightspeed.core.zero.engine import one_optimizer_error
 from lightspeed.core.zero.generation import keep_generation_in_step
 from lightspeed.core.zero.parameter_checks import check_parameters_for_zero, check_partitions_kept
 from lightspeed.strategies._training_facts import collect_training_facts
+from lightspeed.strategies.several_models import SEVERAL_MODELS_HINT
 
 if TYPE_CHECKING:
     import deepspeed
@@ -35,11 +36,6 @@ else:
     _ZeroStrategyBase = object
 
 __all__ = ["ZeroEngineMixin"]
-
-#: how this front end trains several models, each with its own optimizer (for the one-optimizer error)
-_SEVERAL_MODELS = (
-    "give each its own engine: `ZeroStrategy(models=['generator', 'discriminator'])` with the attributes that hold them"
-)
 
 
 class ZeroEngineMixin(_ZeroStrategyBase):
@@ -64,20 +60,28 @@ class ZeroEngineMixin(_ZeroStrategyBase):
         self._session.log_config(self._session.resolve(self.config, facts))
 
     # ------------------------------------------------------------------ engine construction
-    @override
-    def _init_optimizers(self) -> tuple[torch.optim.Optimizer, LRSchedulerConfig | None]:
+    def _configured_optimizers(self) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig]]:
+        """``configure_optimizers``' optimizers and scheduler configs (it runs once per ``fit``: see
+        :meth:`init_deepspeed`)."""
+        configured = self.__dict__.pop("_configured", None)
+        if configured is not None:
+            return configured
         try:
-            optimizers, schedulers = _init_optimizers_and_lr_schedulers(self._module())
+            return _init_optimizers_and_lr_schedulers(self._module())
         except RuntimeError as err:
             # Lightning's own message suggests manual optimization, which does not help under ZeRO either
             if "multiple optimizers" not in str(err):
                 raise
             raise one_optimizer_error(
-                "several optimizers", "`configure_optimizers` returned", _SEVERAL_MODELS
+                "several optimizers", "`configure_optimizers` returned", SEVERAL_MODELS_HINT
             ) from None
+
+    @override
+    def _init_optimizers(self) -> tuple[torch.optim.Optimizer, LRSchedulerConfig | None]:
+        optimizers, schedulers = self._configured_optimizers()
         if len(optimizers) != 1:
             raise one_optimizer_error(
-                f"{len(optimizers)} optimizers", "`configure_optimizers` returned", _SEVERAL_MODELS
+                f"{len(optimizers)} optimizers", "`configure_optimizers` returned", SEVERAL_MODELS_HINT
             )
         if len(schedulers) > 1:
             raise DeepSpeedConfigError(
@@ -110,6 +114,14 @@ class ZeroEngineMixin(_ZeroStrategyBase):
     @override
     def init_deepspeed(self) -> None:
         trainer = self._module().trainer
+        if trainer.training and not self.several_models and "optimizer" not in self.config:
+            configured = self._configured_optimizers()
+            if len(configured[0]) > 1:  # a GAN under a plain name: one engine per model, if they can be inferred
+                self._infer_models(configured[0])
+                self._build_model_engines(training=True, configured=configured)
+                keep_generation_in_step(self._module())
+                return
+            self.__dict__["_configured"] = configured  # for Lightning's _init_optimizers, called next
         if self.several_models:
             self._build_model_engines(training=trainer.training)
             keep_generation_in_step(self._module())

@@ -1,8 +1,9 @@
-"""The Trainer's ZeRO strategy and the models users bring (:mod:`lightspeed.core.zero.hf_link`,
+"""The Trainer's ZeRO strategy and the models users bring (:mod:`lightspeed.core.zero.partitioned_build`,
 :mod:`lightspeed.core.zero.generation`), as a mixin placed before Lightning's ``DeepSpeedStrategy``:
 
 * ``model_sharded_context`` (around ``configure_model``): transformers knows the ZeRO-3 config, so
-  ``AutoModelForCausalLM.from_pretrained(path)`` builds and loads the model straight into partitions;
+  ``AutoModelForCausalLM.from_pretrained(path)`` builds and loads the model straight into partitions, and layers
+  deep-copied there (``nn.TransformerEncoder``) are partitioned copies;
 * ``init_deepspeed``: every HuggingFace ``generate`` of the module passes ``synced_gpus=True`` while the model is
   partitioned over several ranks, so ranks that stop generating at different steps do not hang;
 * ``on_validation_start`` / ``on_test_start`` / ``on_predict_start``: when the ranks' batch counts differ (or are
@@ -22,7 +23,7 @@ from typing_extensions import override
 
 from lightspeed.core.zero.evaluation import gathered_for_evaluation
 from lightspeed.core.zero.generation import keep_generation_in_step
-from lightspeed.core.zero.hf_link import transformers_zero3
+from lightspeed.core.zero.partitioned_build import building_into_partitions
 from lightspeed.strategies.mixin_bases import DeepSpeedStrategyBase
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class ZeroModelsMixin(DeepSpeedStrategyBase):
     @override
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        with super().model_sharded_context(), transformers_zero3(self.config, enabled=self.zero_stage_3):
+        with super().model_sharded_context(), building_into_partitions(self.config, self.zero_stage_3):
             yield
 
     @override

@@ -8,7 +8,11 @@ import torch
 from torch import nn
 
 from lightspeed.core.errors import DeepSpeedConfigError
-from lightspeed.core.zero.parameter_checks import check_parameters_for_zero, check_shape_split_groups
+from lightspeed.core.zero.parameter_checks import (
+    check_parameters_for_zero,
+    check_partitions_kept,
+    check_shape_split_groups,
+)
 
 FLOAT64 = (
     "{names} {verb} float64, but ZeRO trains float32 parameters (with bf16/fp16 copies under mixed precision): {they} "
@@ -104,3 +108,18 @@ def test_a_split_by_the_full_shape_and_unpartitioned_models_pass() -> None:
     check_shape_split_groups(full, model)
     whole = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))  # not partitioned: p.dim() is the real one
     check_shape_split_groups(torch.optim.AdamW(_nanogpt_groups(whole), lr=1e-3), whole)
+
+
+def test_parameters_that_lost_their_partition_are_named() -> None:
+    model = _partitioned_mlp()
+    for param in model.parameters():
+        param.ds_id = 0  # partitioned as DeepSpeed leaves them: known to it
+    model[1].weight = nn.Parameter(torch.empty(0))  # an empty tensor DeepSpeed knows nothing of
+    with pytest.raises(DeepSpeedConfigError) as raised:
+        check_partitions_kept(model, "`configure_model`", "in `__init__`")
+    assert str(raised.value) == (
+        "Parameters 1.weight were built under `configure_model` with ZeRO-3 but lost their partition: they are empty "
+        "tensors DeepSpeed knows nothing of, left by a partitioned parameter copied other than with `copy.deepcopy` "
+        "(pickled, `copy.copy`) or by a `.data` replaced. Build the model in `__init__` (ZeRO-3 then partitions it "
+        "when the engine is built), or create or deep-copy those layers instead."
+    )

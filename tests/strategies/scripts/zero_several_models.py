@@ -1,7 +1,8 @@
 """Worker: several models in one LightningModule, one engine each (``ZeroStrategy(models=...)``), 2 CPU ranks, fp32.
 
 * GAN, manual optimization, two optimizers, the generator under ZeRO-2 and the discriminator under ZeRO-3: 2 epochs
-  of 2 batches uninterrupted (with ``ZeroExport``), and 1 epoch, a checkpoint, then resumed to 2 from it;
+  of 2 batches uninterrupted (with ``ZeroExport``), and 1 epoch, a checkpoint, then resumed to 2 from it; the
+  generator-first GAN with ``models=`` and under the plain names ``zero2`` and ``zero3`` (models inferred);
 * teacher/student, automatic optimization: the student under ZeRO-2 with ``accumulate_grad_batches=2`` over 5
   batches per rank (a short last window), the frozen teacher under ZeRO-3 with its parameters offloaded to the CPU,
   validation through ``GatherForMetrics`` on 9 samples (the sampler pads one); then ``validate`` of a fresh module
@@ -15,6 +16,7 @@ usage: zero_several_models.py OUT
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -106,7 +108,30 @@ def gan_runs(out: Path) -> dict[str, Any]:
     module = GeneratorFirstGAN()  # both models under ZeRO-2, named in a list
     trainer(sm.EPOCHS, models=["generator", "discriminator"]).fit(module, loader)
     result["generator_first"] = full_state_dict(module)
+    for name in ("zero2", "zero3"):  # plain names: the models are inferred from the two optimizers
+        module, lines = GeneratorFirstGAN(), LinesLogged("lightspeed: `configure_optimizers` returned")
+        quiet_trainer(strategy=name, accelerator="cpu", devices=2, max_epochs=sm.EPOCHS).fit(module, loader)
+        result[f"inferred_{name}"] = full_state_dict(module)
+        result[f"inferred_{name}_log"] = lines.close()
     return result
+
+
+class LinesLogged(logging.Handler):
+    """The lines Lightning's rank-zero logger writes that start with ``prefix``, until :meth:`close`."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__(logging.INFO)
+        self.prefix, self.lines = prefix, []
+        self.logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+        self.logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith(self.prefix):
+            self.lines.append(record.getMessage())
+
+    def close(self) -> list[str]:  # type: ignore[override]
+        self.logger.removeHandler(self)
+        return self.lines
 
 
 class Distill(L.LightningModule):

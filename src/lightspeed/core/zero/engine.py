@@ -3,7 +3,8 @@
 
 * :func:`prepare_deepspeed_process`: DeepSpeed's accelerator and the NVMe check, in every rank before the group;
 * :func:`prepare_optimizer`: the optimizer an offloading config runs (CPU Adam/Adagrad), its scheduler retargeted;
-* :func:`initialize_engine`: ``deepspeed.initialize`` with the device rank that also works on the CPU;
+* :func:`initialize_engine`: ``deepspeed.initialize`` with the device rank that also works on the CPU, a ZeRO-3
+  model's mixture-of-experts blocks marked as leaf modules first (:mod:`lightspeed.core.zero.leaf_modules`);
 * :func:`save_zero_checkpoint` / :func:`check_loadable`: the checkpoint directory layout every lightspeed reader
   (resume, ``lightspeed export``) understands, staged and committed only when all ranks finished;
 * :func:`one_optimizer_error`: the message for a second optimizer.
@@ -29,6 +30,7 @@ from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
 from lightspeed.core.reliability.staging import MODELS_MANIFEST_KEY
 from lightspeed.core.zero.config import config_offloads_optimizer, config_stage, describe_config
 from lightspeed.core.zero.cpu_optimizer import prepare_offloaded_optimizer, retarget_lr_scheduler
+from lightspeed.core.zero.leaf_modules import LeafModules
 from lightspeed.core.zero.parameter_checks import check_shape_split_groups
 from lightspeed.core.zero.runtime import (
     async_io_problem,
@@ -99,11 +101,14 @@ def initialize_engine(
     lr_scheduler: Any,
     device_index: int | None,
     local_rank: int,
+    leaf_modules: LeafModules | None = None,
 ) -> tuple[Any, Any, Any]:
     """``deepspeed.initialize`` on an existing process group; returns ``(engine, optimizer, lr_scheduler)``. Without
     a client ``optimizer`` DeepSpeed builds the one (and the scheduler) the config's sections describe, if any.
 
-    ``device_index`` is the root device's CUDA index (None on the CPU, where the local rank is used)."""
+    ``device_index`` is the root device's CUDA index (None on the CPU, where the local rank is used). Under ZeRO-3 the
+    ``leaf_modules`` (the strategy's argument; None: the mixture-of-experts blocks found) are marked first: DeepSpeed
+    reads the flag while it hooks the model, and without it ranks routing to different experts fall out of step."""
     import deepspeed
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -116,6 +121,7 @@ def initialize_engine(
                 "model's: build the optimizer from this model's parameters (`torch.optim.AdamW(model.parameters())`)."
             )
         check_shape_split_groups(optimizer, model)
+    (LeafModules() if leaf_modules is None else leaf_modules).mark(model, config)
     # the parameters an optimizer trains: the client's, or the one the config's "optimizer" section describes
     trains = optimizer is not None or isinstance(config.get("optimizer"), dict)
     engine, deepspeed_optimizer, _, scheduler = deepspeed.initialize(

@@ -80,15 +80,17 @@ def check_shape_split_groups(optimizer: torch.optim.Optimizer, module: nn.Module
 def check_partitions_kept(module: nn.Module, built_under: str, instead: str) -> None:
     """Raise a :class:`DeepSpeedConfigError` when parameters of ``module`` built as ZeRO-3 partitions lost their
     partition (call it only for a model built under ``built_under``: ``configure_model`` or
-    ``fabric.init_module()``): a module deep-copied inside that context (``nn.TransformerEncoder`` clones its layer)
-    keeps empty tensors DeepSpeed knows nothing of, and the first forward fails deep inside DeepSpeed. ``instead``:
+    ``fabric.init_module()``): deep copies made there are partitioned (:mod:`lightspeed.core.zero.partitioned_build`),
+    but a parameter copied another way (pickled and loaded, ``copy.copy``) or whose ``.data`` was replaced keeps an
+    empty tensor DeepSpeed knows nothing of, and the first forward would fail deep inside DeepSpeed. ``instead``:
     where to build the model so that ZeRO-3 partitions it itself."""
     lost = [name for name, param in module.named_parameters() if not hasattr(param, "ds_id") and param.numel() == 0]
     if lost:
         shown = ", ".join(lost[:3]) + (f" and {len(lost) - 3} more" if len(lost) > 3 else "")
         raise DeepSpeedConfigError(
-            f"Parameters {shown} were built under {built_under} with ZeRO-3 but lost their partition: a module "
-            "deep-copied inside it (e.g. the layers `nn.TransformerEncoder` clones) keeps empty tensors. Build the "
-            f"model {instead} (ZeRO-3 then partitions it when the engine is built), or create each layer instead of "
-            "copying one."
+            f"Parameters {shown} were built under {built_under} with ZeRO-3 but lost their partition: they are empty "
+            "tensors DeepSpeed knows nothing of, left by a partitioned parameter copied other than with "
+            "`copy.deepcopy` (pickled, `copy.copy`) or by a `.data` replaced. Build the model "
+            f"{instead} (ZeRO-3 then partitions it when the engine is built), or create or deep-copy those layers "
+            "instead."
         )

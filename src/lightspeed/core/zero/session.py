@@ -32,7 +32,13 @@ from lightspeed.core.zero.compile import (
     compile_request,
     prepare_zero3_for_compile,
 )
-from lightspeed.core.zero.config import TrainingFacts, describe_config, resolve_config_with_notes, summarize_config
+from lightspeed.core.zero.config import (
+    AUTO,
+    TrainingFacts,
+    describe_config,
+    resolve_config_with_notes,
+    summarize_config,
+)
 from lightspeed.core.zero.config.activation import Policy
 from lightspeed.core.zero.config.zero_recipe import (
     config_offloads_optimizer,
@@ -45,6 +51,7 @@ from lightspeed.core.zero.engine import (
     prepare_optimizer,
     save_zero_checkpoint,
 )
+from lightspeed.core.zero.leaf_modules import LeafModules
 from lightspeed.core.zero.runtime import check_precision_supported, export_deepspeed_accelerator
 
 __all__ = ["ZeroConfigProperties", "ZeroSession"]
@@ -61,6 +68,8 @@ class ZeroSession:
         exclude_frozen_parameters: leave frozen parameters out of checkpoints.
         front_end: ``"Trainer"`` or ``"Fabric"``, for the messages that name the user's call.
         info: the front end's rank-zero logger.
+        leaf_modules: the modules marked as ZeRO-3 leaf modules in every engine's model (default: the
+            mixture-of-experts blocks found).
     """
 
     def __init__(
@@ -73,6 +82,7 @@ class ZeroSession:
         exclude_frozen_parameters: bool,
         front_end: str,
         info: Callable[[str], None],
+        leaf_modules: LeafModules | None = None,
     ) -> None:
         if node_local_storage:
             config.setdefault("checkpoint", {})["use_node_local_storage"] = True
@@ -80,6 +90,7 @@ class ZeroSession:
         self.compile_request = compile
         self.compiled_with: CompileRequest | None = None  # what the last engine was compiled with
         self.activation_checkpointing_policy = activation_checkpointing_policy
+        self.leaf_modules = LeafModules() if leaf_modules is None else leaf_modules
         self.exclude_frozen_parameters = exclude_frozen_parameters
         self.front_end = front_end
         self.saver = StagedCheckpointSaver()
@@ -99,8 +110,9 @@ class ZeroSession:
         info: Callable[[str], None],
     ) -> ZeroSession:
         """The session of a front end built with ``arguments`` (its constructor's, by name; left out: the defaults):
-        ``compile``, ``compile_kwargs``, ``activation_checkpointing_policy`` (already parsed), ``node_local_storage``
-        and ``exclude_frozen_parameters``. ``owner`` names the strategy class in messages."""
+        ``compile``, ``compile_kwargs``, ``activation_checkpointing_policy`` (already parsed), ``leaf_modules`` (checked
+        here: a bad one fails when the strategy is created), ``node_local_storage`` and ``exclude_frozen_parameters``.
+        ``owner`` names the strategy class in messages."""
         return cls(
             config,
             compile=compile_request(arguments.get("compile", False), arguments.get("compile_kwargs"), owner),
@@ -109,6 +121,7 @@ class ZeroSession:
             exclude_frozen_parameters=arguments.get("exclude_frozen_parameters", False),
             front_end=front_end,
             info=info,
+            leaf_modules=LeafModules.of(arguments.get("leaf_modules", AUTO)),
         )
 
     @property
@@ -208,7 +221,8 @@ class ZeroSession:
         training: bool = True,
     ) -> tuple[Any, Any, Any]:
         """``(engine, optimizer, scheduler)`` for ``model`` under ``config`` (default: the config in force), on this
-        process's device: the activation checkpointing policy applied first when ``training``, compiled when asked."""
+        process's device: the activation checkpointing policy applied first when ``training``, ZeRO-3 leaf modules
+        marked, compiled when asked."""
         if self._placement is None:
             raise RuntimeError("ZeroSession.build_engine runs in a process set up by start_process")
         device_kind, device_index, local_rank = self._placement
@@ -219,7 +233,7 @@ class ZeroSession:
                 self._info(message)
         self.prepare_compile(model, config, device_kind)
         engine, deepspeed_optimizer, deepspeed_scheduler = initialize_engine(
-            config, model, optimizer, scheduler, device_index, local_rank
+            config, model, optimizer, scheduler, device_index, local_rank, self.leaf_modules
         )
         self.compile(engine)
         return engine, deepspeed_optimizer, deepspeed_scheduler

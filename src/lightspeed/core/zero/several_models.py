@@ -9,6 +9,8 @@ model. This module holds what both front ends share:
   :class:`~lightspeed.core.zero.config.model_recipe.ModelRecipe` builds each model's config;
 * :func:`assign_optimizers`: which model each optimizer trains, refusing two optimizers for one model and one
   optimizer over two models;
+* :func:`infer_models`: the models of a module given several optimizers and no ``models=`` (a GAN under a plain
+  strategy name), when each optimizer trains exactly one attribute's parameters;
 * :func:`route_forward`: calling the model itself (``self.generator(z)``) runs its engine's forward, which DeepSpeed
   needs to prepare the backward (its output hooks) and ZeRO-3 to fetch parameters;
 * :func:`engine_for_backward`: the one trained engine a loss reaches, found by walking the autograd graph, so
@@ -37,6 +39,7 @@ __all__ = [
     "assign_optimizers",
     "check_model_options",
     "engine_for_backward",
+    "infer_models",
     "mark_model_options",
     "model_dtype_for",
     "model_options_of",
@@ -158,6 +161,34 @@ def assign_optimizers(
             )
         assigned[name] = index
     return assigned
+
+
+def infer_models(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], where: str) -> list[str]:
+    """The attributes of ``module`` to give one engine each when ``optimizers`` (from ``where``) are several and no
+    ``models=`` was given: each optimizer must train exactly the parameters of one child module (``self.generator``),
+    a different one each; children no optimizer trains are added as frozen models. Raises a
+    :class:`DeepSpeedConfigError` saying why otherwise (the caller adds how to name the models)."""
+    children = {name: child for name, child in module.named_children() if any(True for _ in child.parameters())}
+    owned = {name: {id(p) for p in child.parameters()} for name, child in children.items()}
+    trained: list[str] = []
+    for index, optimizer in enumerate(optimizers):
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        matches = [name for name, ids in owned.items() if ids == params]
+        if len(matches) != 1 or matches[0] in trained:
+            raise DeepSpeedConfigError(
+                f"Optimizer {index} from {where} does not train exactly the parameters of one attribute of "
+                f"{type(module).__name__} (its children with parameters: {', '.join(owned) or 'none'}), so the "
+                "models to give one engine each cannot be inferred"
+            )
+        trained.append(matches[0])
+    covered = set().union(*owned.values())
+    loose = [name for name, p in module.named_parameters() if id(p) not in covered]
+    if loose:
+        raise DeepSpeedConfigError(
+            f"{type(module).__name__} has parameters of its own outside its child modules ({', '.join(loose[:3])}), "
+            "so the models to give one engine each cannot be inferred"
+        )
+    return trained + [name for name in children if name not in trained]
 
 
 def route_forward(module: nn.Module, engine: Callable[..., Any]) -> Callable[[], None]:

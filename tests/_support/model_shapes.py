@@ -1,0 +1,104 @@
+"""Model shapes users build every day, with the data and the single-process reference that the Trainer's and Fabric's
+ZeRO runs of them are compared with: an ``nn.TransformerEncoder`` (it deep-copies its layer while it is built), an
+MLP that its parent initialises again after building it (nanoGPT's ``self.apply(self._init_weights)``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from _support.models import rank_batches
+
+WIDTH, TOKENS, SAMPLES, BATCH, STEPS, LR = 8, 4, 32, 4, 4, 0.1
+
+
+class EncoderRegressor(nn.Module):
+    """Two encoder layers cloned from one by ``nn.TransformerEncoder``, mean-pooled, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(31)
+        layer = nn.TransformerEncoderLayer(WIDTH, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(dim=1))
+
+
+class ReinitializedMLP(nn.Module):
+    """Layers initialised again by their parent once built, as nanoGPT and many hand-written models do: through
+    ``self.apply``, a shape-reading ``torch.nn.init`` function, an in-place ``fill_``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(33)
+        self.net = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 5))
+        self.apply(self._init_weights)
+        nn.init.orthogonal_(self.net[0].weight)
+        nn.init.kaiming_uniform_(self.net[2].weight, a=1.0)
+        with torch.no_grad():
+            self.net[2].bias.fill_(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(module.bias)
+
+
+def assert_initialized_as_one_process(weights: dict[str, torch.Tensor], what: str) -> None:
+    """``weights`` (gathered right after the build) equal ``ReinitializedMLP`` built in one plain process."""
+    want = ReinitializedMLP().state_dict()
+    assert sorted(weights) == sorted(want), what
+    for key, expected in want.items():
+        assert torch.equal(weights[key], expected), f"{what}: {key} was not initialised as in one process"
+
+
+def encoder_data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(32)
+    return TensorDataset(
+        torch.randn(SAMPLES, TOKENS, WIDTH, generator=generator), torch.randn(SAMPLES, 1, generator=generator)
+    )
+
+
+def encoder_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """SGD, not Adam: attention's key bias has a zero gradient up to rounding (softmax ignores a shift shared by all
+    keys), which Adam would normalise into full-size steps that differ with the summation order."""
+    return torch.optim.SGD(model.parameters(), lr=LR)
+
+
+def encoder_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(model(x), y)
+
+
+def encoder_steps() -> list[list[list[int]]]:
+    """Per step, each of 2 ranks' sample indices, as the shuffled distributed sampler deals them in epoch 0."""
+    return rank_batches(SAMPLES, 2, BATCH, epoch=0)[:STEPS]
+
+
+def encoder_reference() -> dict[str, torch.Tensor]:
+    """The encoder after ``STEPS`` steps in one plain process, each on both ranks' batches at once."""
+    model = EncoderRegressor()
+    optimizer = encoder_optimizer(model)
+    x, y = encoder_data().tensors
+    for ranks in encoder_steps():
+        index = torch.tensor([i for rank in ranks for i in rank])
+        optimizer.zero_grad()
+        encoder_loss(model, x[index], y[index]).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_close(weights: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """Every tensor of ``want`` within 1e-5 of ``weights`` (same keys), and training moved the weights."""
+    assert sorted(weights) == sorted(want), what
+    for key, expected in want.items():
+        diff = (weights[key] - expected).abs().max().item()
+        assert diff <= 1e-5, f"{what}: {key} differs from one process by {diff:.3e}"
+    start = EncoderRegressor().state_dict()
+    assert (want["head.weight"] - start["head.weight"]).abs().max() > 1e-3

@@ -1,0 +1,31 @@
+"""Model shapes users build every day under the Trainer's ZeRO strategies, against one plain process (fp32, 2 CPU
+ranks, <= 1e-5): an ``nn.TransformerEncoder`` built in ``configure_model`` under ZeRO-3 (it deep-copies its layer
+while ZeRO-3 partitions what is built); a model its parent initialises again in ``configure_model`` starts from the
+weights one process gives it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from _support import model_shapes as ms
+from _support.launch import REPO_ROOT, run_torchrun
+
+SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_model_shapes.py"
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("zero_model_shapes")
+    run_torchrun(SCRIPT, 2, [out], timeout=600)
+    return torch.load(out / "result.pt")
+
+
+def test_an_encoder_that_copies_its_layer_in_configure_model_trains_like_one_process(result: dict[str, Any]) -> None:
+    ms.assert_close(result["encoder_in_configure_model"], ms.encoder_reference(), "zero3, configure_model")
+
+
+def test_initialisations_of_built_layers_apply_to_the_whole_parameters(result: dict[str, Any]) -> None:
+    ms.assert_initialized_as_one_process(result["reinitialized"], "configure_model")

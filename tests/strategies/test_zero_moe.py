@@ -1,0 +1,25 @@
+"""A mixture-of-experts model under ``ZeroStrategy(stage=3)`` whose ranks route their tokens to different experts
+at every step: its MoE block is found and marked as a ZeRO-3 leaf module before the engine is built, and the run
+equals one plain process (fp32, 2 CPU ranks, <= 1e-5). Without the marking the first step fails ("Detected a
+disagreement on list contents between rank0 and rank1", DeepSpeed#7461); ``zero_moe.py OUT none`` shows it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from _support import moe
+from _support.launch import REPO_ROOT, run_torchrun
+
+SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_moe.py"
+
+
+def test_a_moe_model_whose_ranks_use_different_experts_trains_like_one_process_under_zero3(tmp_path: Path) -> None:
+    proc = run_torchrun(SCRIPT, moe.WORLD, [tmp_path], env={"LIGHTSPEED_LOG_LEVEL": "INFO"}, timeout=300)
+    result = torch.load(tmp_path / "result.pt")
+    assert result["leaf"]
+    moe.close(result["weights"])
+    output = proc.stdout + proc.stderr
+    assert output.count("ZeRO-3 leaf modules (mixture-of-experts blocks found") == 1  # rank 0 only
+    assert "): SparseMoeBlock" in output
