@@ -128,9 +128,10 @@ def _windowed_reference(
     steps: int = 4,
     short_weight: str = "real",
     norms: list[float] | None = None,
+    grads: list[dict[str, torch.Tensor]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """One epoch of plain single-process SGD, one step per window on every sample the window saw on all ranks
-    (``norms`` collects the total gradient norm of each step before clipping).
+    (``norms`` collects the total gradient norm of each step before clipping, ``grads`` each step's gradient).
 
     ``short_weight="per_window"`` is the inexact rule (each micro-batch weighs 1/steps, so a short window counts
     ``len/steps``), used to show that the test tells the two apart."""
@@ -151,6 +152,8 @@ def _windowed_reference(
         if short_weight == "per_window":
             loss = loss * sizes[-1] / steps
         loss.backward()
+        if grads is not None:
+            grads.append({k: p.grad.detach().flatten().clone() for k, p in model.named_parameters()})
         if mode == "clip":
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), fabric_cases.CLIP)
             if norms is not None:
@@ -183,8 +186,17 @@ def test_accumulation_short_last_window_items_and_clipping(cases: Path, name: st
     run = _meta(cases, f"accum_{name}")[mode]
     data = fabric_cases.accum_data()
     norms: list[float] = []
-    expected, sizes = _windowed_reference(data, fabric_cases.linear(3, False), fabric_cases.ACCUM_LR, mode, norms=norms)
+    grads: list[dict[str, torch.Tensor]] = []
+    expected, sizes = _windowed_reference(
+        data, fabric_cases.linear(3, False), fabric_cases.ACCUM_LR, mode, norms=norms, grads=grads
+    )
     assert sizes == [4, 4, 2]  # a 10-batch epoch with accumulation 4
+    # read between the window's last backward and the step, the gradients are the window's big-batch gradient
+    assert len(run["grads"]) == len(grads)
+    for step, (seen, want) in enumerate(zip(run["grads"], grads, strict=True)):
+        assert sorted(seen) == sorted(want)
+        for key, value in want.items():
+            torch.testing.assert_close(torch.tensor(seen[key]), value, rtol=1e-6, atol=1e-6, msg=f"step {step} {key}")
     assert run["steps"] == 3 and run["window_sizes"] == sizes
     # gradients are reduced only on each window's last micro-batch (DDP no_sync / the engine's boundary)
     assert run["syncs"] == [False, False, False, True] * 2 + [False, True]

@@ -56,6 +56,7 @@ CASES = {
         case("zero2_scheduler", "regression", 2, 4, 0.05, epochs=2, scheduler="steps", strategy="zero2"),
         case("zero2_clip", "toy", 2, 4, 0.02, clip=50.0, strategy="zero2"),
         case("zero3_tokens", "tokens", 2, 4, 0.1, return_num_items=True, strategy="zero3"),
+        *[case(f"{z}_toy9_b2_n5", "toy9", 2, 5, 0.02, strategy=z) for z in ZERO],  # a last micro-batch of 1
         # errors last: a failed fit leaves nothing behind that the next one needs
         case("strict_uneven", "regression", 2, 4, 0.1, sync_with_dataloader=False, expect_error=True),
         case("zero_items", "tokens_empty", 2, 2, 0.1, return_num_items=True, expect_error=True),
@@ -74,6 +75,9 @@ CASES = {
         *[case(f"{z}_toy_b1_n4", "toy", 1, 4, 0.02, strategy=z) for z in ZERO + OFFLOAD],
         *[case(f"{z}_scheduler", "regression", 1, 4, 0.05, epochs=2, scheduler="steps", strategy=z) for z in ZERO],
         case("zero3_tokens", "tokens", 2, 4, 0.1, return_num_items=True, strategy="zero3"),
+        *[case(f"{z}_tokens", "tokens", 2, 4, 0.1, return_num_items=True, strategy=z) for z in ("zero1", "zero2")],
+        # clipping reads the norms offload takes while it copies the gradients: they must see the window's factor
+        *[case(f"{z}_tokens_clip", "tokens", 2, 4, 0.1, return_num_items=True, clip=0.05, strategy=z) for z in OFFLOAD],
         *[case(f"{z}_bf16", "regression", 1, 4, 0.05, precision="bf16-mixed", strategy=z) for z in ("zero1", "zero3")],
     ],
 }
@@ -135,13 +139,18 @@ def test_classic_toy_equals_one_full_batch_step(results, world_size, name):
 #: windows of full micro-batches, the short last window of an epoch included
 VISIBLE = [(1, f"{z}_toy_b2_n4") for z in ZERO] + [(2, f"{z}_toy_b1_n4") for z in ZERO + OFFLOAD]
 VISIBLE += [(2, f"{z}_scheduler") for z in ZERO] + [(1, "uneven"), (2, "uneven")]
+#: windows whose factor is not 1 (a smaller last micro-batch; num_items), scaled where ZeRO keeps the gradients
+RESCALED = [(1, f"{z}_toy9_b2_n5") for z in ZERO] + [(w, "zero3_tokens") for w in (1, 2)]
+RESCALED += [(2, f"{z}_tokens") for z in ("zero1", "zero2")] + [(2, f"{z}_tokens_clip") for z in OFFLOAD]
 
 
-@pytest.mark.parametrize(("world_size", "name"), VISIBLE)
+@pytest.mark.parametrize(("world_size", "name"), VISIBLE + RESCALED)
 def test_gradients_read_before_the_step_are_the_big_batch_gradient(results, world_size, name):
     """What ``on_before_optimizer_step`` reads (``deepspeed.utils.safe_get_full_grad`` under ZeRO, ``.grad`` under
     ``ddp_exact``) is the window's big-batch gradient, also for an epoch's short last window: under ZeRO the
-    micro-batches are weighted relative to the window's expected samples, so nothing is left to rescale later."""
+    micro-batches are weighted relative to the window's expected samples, so nothing is left to rescale later; a
+    window with a smaller micro-batch or ``num_items`` has its factor applied where ZeRO keeps the reduced gradients,
+    before the hook runs."""
     want = cases.reference_gradients(find(world_size, name), world_size)
     got = results[world_size][name]["hook_grads"]
     assert len(got) == len(want) > 0
@@ -300,3 +309,8 @@ def test_strategies_are_registered_with_exact_accumulation():
         strategy = StrategyRegistry.get(name)
         assert isinstance(strategy, DeepSpeedExactAccumulationMixin)
         assert strategy.handles_gradient_accumulation is False  # Lightning's loop runs hooks once per real step
+
+
+@pytest.mark.parametrize(("world_size", "name"), RESCALED)
+def test_windows_rescaled_inside_zero_train_like_one_process(results, world_size, name):
+    assert_matches_reference(results, world_size, name)

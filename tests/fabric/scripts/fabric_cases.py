@@ -142,7 +142,7 @@ def run_accumulation(name: str, data: TensorDataset, model: nn.Module, lr: float
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=2, shuffle=False))
-    steps, factors, windows, syncs, norms = 0, [], [], [], []
+    steps, factors, windows, syncs, norms, grads = 0, [], [], [], [], []
     inner = model._forward_module  # DDP or DeepSpeed's engine
     for batch, step in lightspeed.fabric.accumulate(fabric, model, loader, steps=4):
         x, y = batch[0], batch[1]
@@ -159,6 +159,7 @@ def run_accumulation(name: str, data: TensorDataset, model: nn.Module, lr: float
         else:
             step.backward(nn.functional.mse_loss(pred, y))
         if step.sync_gradients:
+            grads.append(visible_gradients(model))  # what a user logs between backward and the step
             norm = fabric.clip_gradients(model, optimizer, max_norm=CLIP) if mode == "clip" else None
             optimizer.step()
             if norm is not None:  # the total norm before clipping (ZeRO: filled in by the step)
@@ -173,8 +174,20 @@ def run_accumulation(name: str, data: TensorDataset, model: nn.Module, lr: float
         "window_sizes": windows,
         "syncs": syncs,
         "norms": norms,
+        "grads": grads,
         "weights": {k: v.flatten().tolist() for k, v in weights_of(model).items()},
     }
+
+
+def visible_gradients(model: nn.Module) -> dict[str, list[float]]:
+    """Each parameter's full gradient as a user reads it before the step: ``deepspeed.utils.safe_get_full_grad``
+    under ZeRO (a collective under ZeRO-3: every rank reads), ``.grad`` otherwise."""
+    from deepspeed.utils import safe_get_full_grad
+
+    named = dict(model.named_parameters())
+    zero = any(hasattr(p, "_hp_mapping") or hasattr(p, "ds_id") for p in named.values())
+    grads = {n: safe_get_full_grad(p) if zero else p.grad for n, p in named.items()}
+    return {n.removeprefix("_forward_module.").removeprefix("module."): g.flatten().tolist() for n, g in grads.items()}
 
 
 def run_no_backward_sync(name: str, data: TensorDataset, model: nn.Module, lr: float, steps: int = 4) -> dict:

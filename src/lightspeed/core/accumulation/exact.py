@@ -72,6 +72,7 @@ __all__ = [
     "check_scalar_loss",
     "distributed_sum",
     "scale_gradients",
+    "scale_tensors",
     "skip_gradient_sync",
 ]
 
@@ -101,15 +102,18 @@ def check_scalar_loss(loss: Any) -> Tensor:
 
 
 def scale_gradients(parameters: Iterable[Tensor], factor: float) -> None:
-    """Multiply every existing ``.grad`` in place by ``factor`` (grouped by device and dtype, one kernel per group)."""
-    if factor == 1.0:
-        return
+    """Multiply every existing ``.grad`` in place by ``factor``."""
+    if factor != 1.0:
+        scale_tensors([param.grad for param in parameters if param.grad is not None], factor)
+
+
+def scale_tensors(tensors: Iterable[Tensor], factor: float) -> None:
+    """Multiply ``tensors`` in place by ``factor`` (grouped by device and dtype, one kernel per group)."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for param in parameters:
-        if param.grad is not None:
-            groups.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
-    for grads in groups.values():
-        torch._foreach_mul_(grads, factor)
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    for group in groups.values():
+        torch._foreach_mul_(group, factor)
 
 
 @contextlib.contextmanager

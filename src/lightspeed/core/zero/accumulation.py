@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightspeed.core.accumulation.exact import scale_gradients
+from lightspeed.core.accumulation.exact import scale_gradients, scale_tensors
 
 __all__ = [
     "clip_norm_at_step",
     "scale_deepspeed_gradients_at_step",
+    "scale_reduced_gradients",
     "set_deepspeed_accumulation_steps",
     "set_deepspeed_boundary",
 ]
@@ -50,16 +51,22 @@ def set_deepspeed_accumulation_steps(engine: Any, steps: int) -> None:
 
 
 def scale_deepspeed_gradients_at_step(engine: Any, factor: float) -> Callable[[], None]:
-    """Make the engine's next optimizer step use its accumulated gradients multiplied by ``factor``.
+    """Make the engine's next optimizer step use its accumulated gradients multiplied by ``factor``; call it after
+    the window's last backward.
 
-    ZeRO-1/2/3 keep reduced gradients in partitions that only their optimizer can see, and every one of them divides
-    the gradients by its loss scale right before clipping and the update; overriding that scale with
-    ``scale / factor`` multiplies the gradients by ``factor`` exactly there, so clipping and the reported gradient
-    norm see the real big-batch gradient. Without ZeRO (plain fp32 optimizer) the gradients are in ``param.grad``.
-    Returns a function that restores the optimizer's own loss scale; call it after ``engine.step()``.
+    Where ZeRO keeps the reduced gradients in buffers lightspeed can reach (:func:`scale_reduced_gradients`), they
+    are multiplied there at once, so whatever reads them before the step (``safe_get_full_grad`` in a hook, gradient
+    norm logging, clipping) sees the real big-batch gradient. Elsewhere (fp16 with loss scaling, whose stored
+    gradients a factor above 1 could overflow; ZeRO-3 with its optimizer states on NVMe; DeepSpeed's stage-0
+    mixed-precision optimizers) the optimizer's loss scale is overridden with ``scale / factor`` for the step, which
+    multiplies the gradients by ``factor`` right before clipping and the update. Without ZeRO (plain fp32 optimizer)
+    the gradients are in ``param.grad``. Returns a function that restores the optimizer's own loss scale; call it
+    after ``engine.step()``.
     """
     optimizer = engine.optimizer
     if factor == 1.0:
+        return lambda: None
+    if not engine.fp16_enabled() and scale_reduced_gradients(optimizer, factor):
         return lambda: None
     if hasattr(optimizer, "override_loss_scale") and hasattr(optimizer, "external_loss_scale"):
         saved = (optimizer.custom_loss_scaler, optimizer.external_loss_scale)
@@ -79,6 +86,59 @@ def scale_deepspeed_gradients_at_step(engine: Any, factor: float) -> Callable[[]
         f"for ZeRO stage 0 with bf16/fp16, or ZeRO-1 with bf16 and fp32 gradient accumulation). Use ZeRO stage 1, 2 "
         f"or 3 with their default data types."
     )
+
+
+def scale_reduced_gradients(optimizer: Any, factor: float) -> bool:
+    """Multiply in place the gradients a ZeRO-1/2/3 ``optimizer`` holds for its next step (after the window's last
+    backward: reduced, partitioned and, under optimizer offload, copied to the CPU with their norms taken), and those
+    norms; returns False, touching nothing, where the gradients are not reachable here (other optimizers; ZeRO-3 with
+    its optimizer states swapped to NVMe).
+
+    Where each ZeRO optimizer of DeepSpeed 0.19 keeps them (``deepspeed/runtime/zero/``):
+
+    * ZeRO-1/2: ``averaged_gradients[group]``, one tensor per parameter fragment of the partition (or a buffer group
+      over one flat partition); with offload, the flat ``single_partition_of_fp32_groups[group].grad`` and the
+      per-parameter norms the clipping reads (``norm_for_param_grads``);
+    * ZeRO-3: one flat ``grad_partitions_flat_buffer`` that every parameter's partition views; with offload, the flat
+      ``fp32_partitioned_groups_flat[group].grad`` and ``norm_for_param_grads``.
+    """
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        if optimizer.offload_optimizer:
+            if optimizer.swap_optimizer:
+                return False
+            _scale_flat_gradients(optimizer.fp32_partitioned_groups_flat, factor)
+            _scale_norms(optimizer.norm_for_param_grads, factor)
+        else:
+            optimizer.grad_partitions_flat_buffer.mul_(factor)
+        return True
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        if optimizer.cpu_offload:
+            optimizer._wait_for_offload_copies()
+            _scale_flat_gradients(optimizer.single_partition_of_fp32_groups, factor)
+            _scale_norms(optimizer.norm_for_param_grads, factor)
+            return True
+        for fragments in optimizer.averaged_gradients.values():
+            if fragments is None:
+                continue
+            flat = getattr(fragments, "flat_partition", None)  # one buffer behind every fragment: scaled once
+            if flat is not None:
+                flat.mul_(factor)
+            else:
+                scale_tensors([fragment for fragment in fragments if fragment is not None], factor)
+        return True
+    return False
+
+
+def _scale_flat_gradients(flat_groups: list[Any], factor: float) -> None:
+    scale_tensors([flat.grad for flat in flat_groups if flat.grad is not None], factor)
+
+
+def _scale_norms(norms: dict[Any, Any], factor: float) -> None:
+    for key, norm in norms.items():
+        norms[key] = norm * abs(factor)
 
 
 def clip_norm_at_step(engine: Any, max_norm: float) -> Callable[[], None]:
