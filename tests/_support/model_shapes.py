@@ -1,6 +1,7 @@
 """Model shapes users build every day, with the data and the single-process reference that the Trainer's and Fabric's
 ZeRO runs of them are compared with: an ``nn.TransformerEncoder`` (it deep-copies its layer while it is built), an
-MLP that its parent initialises again after building it (nanoGPT's ``self.apply(self._init_weights)``)."""
+MLP that its parent initialises again after building it (nanoGPT's ``self.apply(self._init_weights)``), a layer
+some steps skip (no rank uses it in some windows or micro-batches)."""
 
 from __future__ import annotations
 
@@ -94,11 +95,67 @@ def encoder_reference() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def assert_close(weights: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    """Every tensor of ``want`` within 1e-5 of ``weights`` (same keys), and training moved the weights."""
+def assert_close(
+    weights: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, moved: str = "head.weight"
+) -> None:
+    """Every tensor of ``want`` within 1e-5 of ``weights`` (same keys), and training moved ``moved``."""
     assert sorted(weights) == sorted(want), what
     for key, expected in want.items():
         diff = (weights[key] - expected).abs().max().item()
         assert diff <= 1e-5, f"{what}: {key} differs from one process by {diff:.3e}"
-    start = EncoderRegressor().state_dict()
-    assert (want["head.weight"] - start["head.weight"]).abs().max() > 1e-3
+    start = (EncoderRegressor() if moved == "head.weight" else SometimesSkipped()).state_dict()
+    assert (want[moved] - start[moved]).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------------- a layer some steps skip
+#: per accumulation window, per micro-batch: whether the forward runs the skippable layer (on every rank alike)
+USES_SKIPPABLE = [[True, True], [False, True], [False, False], [True, False]]
+SKIP_BATCH, SKIP_LR = 2, 0.1
+SKIP_STRATEGIES = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+
+
+class SometimesSkipped(nn.Module):
+    """A layer the forward runs only when told: one process gives it no gradient, and SGD leaves it alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(34)
+        self.inner, self.skippable, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, use_skippable: bool) -> torch.Tensor:
+        hidden = torch.tanh(self.inner(x))
+        if use_skippable:
+            hidden = torch.tanh(self.skippable(hidden))
+        return self.head(hidden)
+
+
+def skip_data() -> TensorDataset:
+    """2 ranks x 4 windows x 2 micro-batches x ``SKIP_BATCH`` samples."""
+    generator = torch.Generator().manual_seed(35)
+    n = 2 * len(USES_SKIPPABLE) * 2 * SKIP_BATCH
+    return TensorDataset(torch.randn(n, WIDTH, generator=generator), torch.randn(n, 1, generator=generator))
+
+
+def uses_skippable(batch_idx: int) -> bool:
+    """Whether the micro-batch ``batch_idx`` of an epoch (windows of 2) runs the skippable layer."""
+    return USES_SKIPPABLE[batch_idx // 2][batch_idx % 2]
+
+
+def skip_reference() -> dict[str, torch.Tensor]:
+    """Plain SGD in one process, one step per window on both ranks' micro-batches (as the distributed sampler of a
+    training dataloader deals them in epoch 0), each micro-batch's forward running the skippable layer or not; the
+    window's loss is the mean over its samples."""
+    model = SometimesSkipped()
+    optimizer = torch.optim.SGD(model.parameters(), lr=SKIP_LR)
+    x, y = skip_data().tensors
+    micro_batches = rank_batches(len(x), 2, SKIP_BATCH, epoch=0)
+    for window, uses in enumerate(USES_SKIPPABLE):
+        optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for micro, use in enumerate(uses):
+            for rank_indices in micro_batches[window * 2 + micro]:
+                index = torch.tensor(rank_indices)
+                losses.append(nn.functional.mse_loss(model(x[index], use), y[index]))
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,7 +1,7 @@
 """Model shapes users build every day under the Trainer's ZeRO strategies, against one plain process (fp32, 2 CPU
 ranks, <= 1e-5): an ``nn.TransformerEncoder`` built in ``configure_model`` under ZeRO-3 (it deep-copies its layer
 while ZeRO-3 partitions what is built); a model its parent initialises again in ``configure_model`` starts from the
-weights one process gives it."""
+weights one process gives it; a layer some micro-batches skip gets no gradient left from an earlier step."""
 
 from __future__ import annotations
 
@@ -29,3 +29,11 @@ def test_an_encoder_that_copies_its_layer_in_configure_model_trains_like_one_pro
 
 def test_initialisations_of_built_layers_apply_to_the_whole_parameters(result: dict[str, Any]) -> None:
     ms.assert_initialized_as_one_process(result["reinitialized"], "configure_model")
+
+
+@pytest.mark.parametrize("name", ms.SKIP_STRATEGIES)
+def test_a_layer_some_steps_skip_gets_no_stale_gradient(result: dict[str, Any], name: str) -> None:
+    """Skipped in whole windows and in a window's first micro-batch only: ZeRO-3 and ZeRO-2 with offload used to
+    apply the gradient of its last window again (plain SGD, so one process leaves it exactly where a zero gradient
+    does)."""
+    ms.assert_close(result[f"skipped_{name}"], ms.skip_reference(), name, moved="skippable.weight")

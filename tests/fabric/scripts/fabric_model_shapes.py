@@ -1,7 +1,8 @@
 """Worker: model shapes under Fabric's ZeRO-3 (with and without offload) on 2 CPU ranks, fp32: an
 ``nn.TransformerEncoder`` built under ``fabric.init_module()`` (it deep-copies its layer while ZeRO-3 partitions what
 is built), set up and trained ``STEPS`` steps; an MLP initialised again by its parent, gathered right after
-``fabric.init_module()``.
+``fabric.init_module()``; a layer some micro-batches skip, accumulated over 2 with ``lightspeed.fabric.accumulate``,
+under every ZeRO stage with and without optimizer offload.
 
 Rank 0 writes OUT/result.pt: the gathered weights per strategy name (``reinitialized``: the MLP's, under zero3).
 
@@ -16,9 +17,9 @@ from pathlib import Path
 import lightning as L
 import torch
 
-import lightspeed  # noqa: F401  (registers the strategy names)
+import lightspeed
 from _support import model_shapes as ms
-from _support.models import full_state_dict
+from _support.models import full_state_dict, rank_batches
 
 
 def encoder_under_init_module(name: str) -> dict[str, torch.Tensor]:
@@ -45,10 +46,28 @@ def reinitialized_under_init_module() -> dict[str, torch.Tensor]:
     return full_state_dict(model)
 
 
+def sometimes_skipped(name: str) -> dict[str, torch.Tensor]:
+    fabric = L.Fabric(strategy=name, accelerator="cpu", devices=2)
+    fabric.launch()
+    model = ms.SometimesSkipped()
+    optimizer = torch.optim.SGD(model.parameters(), lr=ms.SKIP_LR)
+    engine, optimizer = fabric.setup(model, optimizer)
+    x, y = ms.skip_data().tensors
+    mine = [torch.tensor(ranks[fabric.global_rank]) for ranks in rank_batches(len(x), 2, ms.SKIP_BATCH, epoch=0)]
+    batches = [(x[index], y[index]) for index in mine]
+    for (xb, yb), step in lightspeed.fabric.accumulate(fabric, engine, batches, steps=2):
+        step.backward(torch.nn.functional.mse_loss(engine(xb, ms.uses_skippable(step.index)), yb))
+        if step.sync_gradients:
+            optimizer.step()
+            optimizer.zero_grad()
+    return full_state_dict(model)
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     result = {name: encoder_under_init_module(name) for name in sys.argv[2].split(",")}
     result["reinitialized"] = reinitialized_under_init_module()
+    result.update({f"skipped_{name}": sometimes_skipped(name) for name in ms.SKIP_STRATEGIES})
     if torch.distributed.get_rank() == 0:
         torch.save(result, out / "result.pt")
 

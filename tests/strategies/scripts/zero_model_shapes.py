@@ -1,6 +1,7 @@
 """Worker: model shapes under the Trainer's ZeRO-3 on 2 CPU ranks, fp32: an ``nn.TransformerEncoder`` built in
 ``configure_model`` (it deep-copies its layer inside ZeRO-3's init context), trained ``STEPS`` steps; an MLP
-initialised again by its parent in ``configure_model``, gathered when training starts.
+initialised again by its parent in ``configure_model``, gathered when training starts; a layer some micro-batches skip,
+with accumulation over 2, under every ZeRO stage with and without optimizer offload.
 
 Rank 0 writes OUT/result.pt: the gathered weights per case.
 
@@ -59,11 +60,32 @@ def reinitialized_in_configure_model() -> dict[str, torch.Tensor]:
     return module.initial
 
 
+class SometimesSkippedModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = ms.SometimesSkipped()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.model(x, ms.uses_skippable(batch_idx)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=ms.SKIP_LR)
+
+
+def sometimes_skipped(name: str) -> dict[str, torch.Tensor]:
+    module = SometimesSkippedModule()
+    trainer = quiet_trainer(strategy=name, accelerator="cpu", devices=2, max_epochs=1, accumulate_grad_batches=2)
+    trainer.fit(module, DataLoader(ms.skip_data(), batch_size=ms.SKIP_BATCH))
+    return full_state_dict(module.model)
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     result = {
         "encoder_in_configure_model": encoder_in_configure_model(),
         "reinitialized": reinitialized_in_configure_model(),
+        **{f"skipped_{name}": sometimes_skipped(name) for name in ms.SKIP_STRATEGIES},
     }
     if torch.distributed.get_rank() == 0:
         torch.save(result, out / "result.pt")

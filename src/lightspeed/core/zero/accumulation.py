@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightspeed.core.accumulation.exact import scale_gradients, scale_tensors
+from lightspeed.core.zero.stale_gradients import complete_window_gradients
 
 __all__ = [
     "clip_norm_at_step",
@@ -90,9 +91,10 @@ def scale_deepspeed_gradients_at_step(engine: Any, factor: float) -> Callable[[]
 
 def scale_reduced_gradients(optimizer: Any, factor: float) -> bool:
     """Multiply in place the gradients a ZeRO-1/2/3 ``optimizer`` holds for its next step (after the window's last
-    backward: reduced, partitioned and, under optimizer offload, copied to the CPU with their norms taken), and those
-    norms; returns False, touching nothing, where the gradients are not reachable here (other optimizers; ZeRO-3 with
-    its optimizer states swapped to NVMe).
+    backward: reduced, partitioned and, under optimizer offload, copied to the CPU with their norms taken, the window
+    completed first by :func:`~lightspeed.core.zero.stale_gradients.complete_window_gradients`), and those norms;
+    returns False, scaling nothing, where the gradients are not reachable here (other optimizers; ZeRO-3 with its
+    optimizer states swapped to NVMe).
 
     Where each ZeRO optimizer of DeepSpeed 0.19 keeps them (``deepspeed/runtime/zero/``):
 
@@ -105,6 +107,8 @@ def scale_reduced_gradients(optimizer: Any, factor: float) -> bool:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    if isinstance(optimizer, (DeepSpeedZeroOptimizer_Stage3, DeepSpeedZeroOptimizer)):
+        complete_window_gradients(optimizer)  # what the step would complete later must be scaled too
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         if optimizer.offload_optimizer:
             if optimizer.swap_optimizer:
@@ -116,7 +120,6 @@ def scale_reduced_gradients(optimizer: Any, factor: float) -> bool:
         return True
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         if optimizer.cpu_offload:
-            optimizer._wait_for_offload_copies()
             _scale_flat_gradients(optimizer.single_partition_of_fp32_groups, factor)
             _scale_norms(optimizer.norm_for_param_grads, factor)
             return True

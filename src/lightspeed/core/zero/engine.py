@@ -38,6 +38,7 @@ from lightspeed.core.zero.runtime import (
     deepspeed_device_rank,
     use_deepspeed_accelerator,
 )
+from lightspeed.core.zero.stale_gradients import clear_stale_gradients
 
 __all__ = [
     "CHECKPOINT_TAG",
@@ -135,6 +136,8 @@ def initialize_engine(
     )
     if trains and config_stage(config) != 3:
         run_alone_while_switched_off(engine)
+    if trains:
+        clear_stale_gradients(deepspeed_optimizer)
     return engine, deepspeed_optimizer, scheduler
 
 
