@@ -24,7 +24,7 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   echo "[setup] installing torch ${LIGHTSPEED_TORCH_VERSION:-2.13.0}"
   pip_q "torch==${LIGHTSPEED_TORCH_VERSION:-2.13.0}"
 fi
-if ! python -c "import lightspeed, deepspeed, pytest, transformers, jsonargparse, mypy, nbclient, ipykernel" >/dev/null 2>&1 || [ ! -x .venv/bin/ruff ]; then
+if ! python -c "import lightspeed, deepspeed, pytest, transformers, jsonargparse, mypy, nbclient, ipykernel, mkdocs, mkdocstrings, material" >/dev/null 2>&1 || [ ! -x .venv/bin/ruff ]; then
   echo "[setup] installing lightspeed and its dependencies"
   pip_q setuptools wheel ninja
   # the editable install writes src/lightspeed.egg-info; setup_xla.sh (run beside this script by test.sh) does too

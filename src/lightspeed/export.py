@@ -112,5 +112,10 @@ def load_exported(module: nn.Module, path: str | os.PathLike, strict: bool = Tru
 
     With ``strict`` (default) the module's keys and the export's must be the same; a mismatch raises
     :class:`~lightspeed.errors.ExportError` listing the missing and unexpected keys and leaves the module unchanged.
+
+    Args:
+        module: the plain module to load into (the model the export was written from, built without DeepSpeed).
+        path: an export directory, a ``.safetensors`` file or a ``model.safetensors.index.json``.
+        strict: refuse missing and unexpected keys (``False``: load what matches and report the rest in the result).
     """
     return _load_exported(module, path, strict=strict)

@@ -77,8 +77,10 @@ class GatherForMetrics(Callback):
     Args:
         metrics: ``{"acc": MulticlassAccuracy(10), "f1": some_fn}``; ``None`` to only track the dataloaders for
             hand-written ``gather_for_metrics`` calls.
-        preds_key / target_key: keys of the dict that ``validation_step`` / ``test_step`` returns.
-        val_prefix / test_prefix: prefixes of the logged names.
+        preds_key: the key of the predictions in the dict that ``validation_step`` / ``test_step`` returns.
+        target_key: the key of the targets in that dict.
+        val_prefix: the prefix of the names logged in validation (``"val/"``: ``val/acc``).
+        test_prefix: the prefix of the names logged in test.
         gather_every: how many consecutive batches one gather carries: ``"auto"`` (default) sizes the window so
             that a rank keeps about ``buffer_limit`` bytes of outputs; an int N gathers every N batches;
             ``"batch"`` every batch (the metrics are updated right after each batch); ``"epoch"`` once at epoch

@@ -25,7 +25,20 @@ class DDPExactFabricStrategy(ProcessGroupMixin, DDPStrategy):
     last window and ``num_items`` included). The process group is lightspeed's: a per-restart store prefix under
     ``torchrun --max-restarts``, a heartbeat, and hangs that name the ranks that stopped answering; ``fabric.save``
     writes the file beside its target and renames it into place, so a kill mid-save never leaves a torn checkpoint
-    for :func:`lightspeed.fabric.last_checkpoint` to pick up."""
+    for :func:`lightspeed.fabric.last_checkpoint` to pick up.
+
+    Args:
+        accelerator: Fabric's accelerator (set by Fabric from ``Fabric(accelerator=...)``).
+        parallel_devices: the devices of this node (set by Fabric from ``Fabric(devices=...)``).
+        cluster_environment: Lightning's cluster environment (torchrun, SLURM, ...; set by Fabric).
+        checkpoint_io: how ``fabric.save`` writes the file (Lightning's ``CheckpointIO``).
+        precision: Fabric's precision plugin (set by Fabric from ``Fabric(precision=...)``).
+        process_group_backend: ``"nccl"`` or ``"gloo"``; ``None``: ``"nccl"`` on CUDA, ``"gloo"`` on the CPU.
+        timeout: how long a collective may wait for the other ranks before a ``CollectiveTimeoutError`` names the rank
+            that stopped answering.
+        start_method: how Fabric starts the processes (``"popen"``, ``"spawn"``, ``"fork"``, ``"forkserver"``).
+        **kwargs: the keywords of torch's ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
+    """
 
     strategy_name = "ddp_exact"
 

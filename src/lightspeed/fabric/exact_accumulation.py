@@ -191,6 +191,13 @@ def accumulate(
     Call ``step.backward(loss)`` for every micro-batch (forward inside the loop body) and step the optimizer when
     ``step.sync_gradients`` is True; see the module docstring for the guarantees. ``model`` is what
     ``fabric.setup`` returned. Use it once per epoch: a window never runs on into the next pass over the loader.
+
+    Args:
+        fabric: the launched ``Fabric``.
+        model: the model ``fabric.setup`` returned (under several models: the one the loss trains).
+        dataloader: the training dataloader, set up with ``fabric.setup_dataloaders`` (a short last window is
+            stepped with its real size when it has ``len()``).
+        steps: micro-batches per optimizer step (the accumulation window).
     """
     _check_steps(steps)
     driver = _Driver(fabric, model, steps)

@@ -25,6 +25,10 @@ def last_checkpoint(fabric: Fabric, directory: str | os.PathLike[str]) -> Path |
         ckpt = lightspeed.fabric.last_checkpoint(fabric, "ckpts")
         if ckpt is not None:
             fabric.load(ckpt, state)
+
+    Args:
+        fabric: the launched ``Fabric`` (its strategy's ranks are asked).
+        directory: the directory ``fabric.save`` writes its checkpoints into; a missing directory means a fresh start.
     """
     found: str | None = None
     if fabric.global_rank == 0:

@@ -50,7 +50,14 @@ def model_options(
 ) -> Module:
     """``module`` with its own ZeRO stage and offload targets for its engine (left out: the strategy's), e.g.
     ``fabric.setup(lightspeed.fabric.model_options(teacher, stage=3, offload_parameters="cpu"))`` beside a student
-    under the strategy's ZeRO-2. Returns ``module``."""
+    under the strategy's ZeRO-2. Returns ``module``.
+
+    Args:
+        module: the model to set up with ``fabric.setup`` (marked in place).
+        stage: its ZeRO stage 0-3; ``None``: the strategy's.
+        offload_optimizer: ``"none"``, ``"cpu"`` or ``"nvme"`` for its optimizer states; ``None``: the strategy's.
+        offload_parameters: ``"none"``, ``"cpu"`` or ``"nvme"`` for its parameters (stage 3); ``None``: the strategy's.
+    """
     return mark_model_options(module, check_model_options(stage, offload_optimizer, offload_parameters))
 
 

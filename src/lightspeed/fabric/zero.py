@@ -92,15 +92,36 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
         offload_optimizer: ``"none"``, ``"cpu"`` or ``"nvme"`` (``True`` means ``"cpu"``).
         offload_parameters: ``"none"``, ``"cpu"`` or ``"nvme"``; stage 3 only.
         nvme_path: directory for NVMe offload; defaults to ``$LIGHTSPEED_NVME_PATH``.
-        pin_memory, reduce_bucket_size, allgather_bucket_size, prefetch_bucket_size, param_persistence_threshold,
-            sub_group_size: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
+        pin_memory: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
+        reduce_bucket_size: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
+        allgather_bucket_size: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
+        prefetch_bucket_size: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
+        param_persistence_threshold: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
+        sub_group_size: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
         activation_checkpointing_policy: module classes (a set, e.g. ``{Block}``) whose instances' forward runs under
             ``deepspeed.checkpointing.checkpoint`` in training, applied at ``fabric.setup`` before the engine is built.
-        partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
-            synchronize_checkpoint_boundary, profile: DeepSpeed's ``activation_checkpointing`` section, ``"auto"``
-            resolved as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
+        partition_activations: DeepSpeed's ``activation_checkpointing`` section, as for the Trainer's
+            :class:`~lightspeed.strategies.ZeroStrategy` (``"auto"`` resolved the same way).
+        cpu_checkpointing: DeepSpeed's ``activation_checkpointing`` section, as for the Trainer's
+            :class:`~lightspeed.strategies.ZeroStrategy` (``"auto"`` resolved the same way).
+        contiguous_memory_optimization: DeepSpeed's ``activation_checkpointing`` section, as for the Trainer's
+            :class:`~lightspeed.strategies.ZeroStrategy` (``"auto"`` resolved the same way).
+        number_checkpoints: DeepSpeed's ``activation_checkpointing`` section, as for the Trainer's
+            :class:`~lightspeed.strategies.ZeroStrategy` (``"auto"`` resolved the same way).
+        synchronize_checkpoint_boundary: DeepSpeed's ``activation_checkpointing`` section, as for the Trainer's
+            :class:`~lightspeed.strategies.ZeroStrategy` (``"auto"`` resolved the same way).
+        profile: DeepSpeed's ``activation_checkpointing`` section, as for the Trainer's
+            :class:`~lightspeed.strategies.ZeroStrategy` (``"auto"`` resolved the same way).
         config: DeepSpeed config dict or JSON path merged over the preset (its values win); unknown keys and values
             that contradict Fabric's settings are errors.
+        accelerator: Fabric's accelerator (set by Fabric from ``Fabric(accelerator=...)``).
+        parallel_devices: the devices of this node (set by Fabric from ``Fabric(devices=...)``).
+        cluster_environment: Lightning's cluster environment (torchrun, SLURM, ...; set by Fabric).
+        precision: Fabric's precision plugin (set by Fabric from ``Fabric(precision=...)``).
+        process_group_backend: ``"nccl"`` or ``"gloo"``; ``None``: ``"nccl"`` on CUDA, ``"gloo"`` on the CPU.
+        timeout: how long a collective may wait for the other ranks before a ``CollectiveTimeoutError`` names the
+            collective and the rank that stopped answering.
+        logging_level: the level of DeepSpeed's logger.
         exclude_frozen_parameters: leave frozen parameters out of checkpoints.
         load_full_weights: ``fabric.load`` reads a single consolidated weights file under ZeRO-3.
         node_local_storage: for clusters whose nodes share no filesystem: each node writes its own ranks' shards (and
@@ -114,7 +135,8 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
             engine is built: ``"auto"``, the model's mixture-of-experts blocks (ranks whose tokens reach different
             experts stay in step), else module classes, class names or ends of module names, or ``None``; as for the
             Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
-        Other arguments: Fabric's (set by Fabric itself when the strategy is chosen by name).
+        **unsupported: none is taken: a keyword the Fabric strategy does not take (e.g. ``sync_with_dataloader``,
+            ``offload_params_device``) is a ``TypeError`` saying what to use instead.
     """
 
     def __init__(

@@ -44,6 +44,18 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
     ``tune=True`` (measure the options that fit at ``fabric.setup``) also needs what the Trainer knows from its loop:
 
     Args:
+        safety_margin: as for the Trainer's :class:`~lightspeed.strategies.ZeroAutoStrategy`.
+        device_memory: as for the Trainer's.
+        host_memory: as for the Trainer's.
+        nvme_path: as for the Trainer's.
+        optimizer_state_bytes: as for the Trainer's.
+        config: as for the Trainer's.
+        tune: as for the Trainer's, measured at ``fabric.setup``; needs ``tune_batches`` and ``tune_loss``.
+        tune_steps: as for the Trainer's.
+        tune_options: as for the Trainer's.
+        tune_buckets: as for the Trainer's.
+        tune_cache: as for the Trainer's.
+        retune: as for the Trainer's.
         tune_batches: this rank's training micro-batches (e.g. the ``DataLoader`` of the loop, before
             ``fabric.setup_dataloaders``); the first few are used, moved to the device.
         tune_loss: ``(model, batch) -> loss`` for one micro-batch, as the loop computes it.
@@ -52,6 +64,15 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
             ``gradient_accumulation_steps``). Fabric's loop owns its DataLoader and accumulation, so the fastest size
             is reported (logged, and as ``tuned_micro_batch`` / ``tuned_accumulation``) for the loop to use; the run
             itself keeps its batches, with the winner's ZeRO option.
+        **kwargs: the other :class:`ZeroFabricStrategy` arguments, as there: ``pin_memory``, ``reduce_bucket_size``,
+            ``allgather_bucket_size``, ``prefetch_bucket_size``, ``param_persistence_threshold``, ``sub_group_size``;
+            activation checkpointing: ``activation_checkpointing_policy``, ``partition_activations``,
+            ``cpu_checkpointing``, ``contiguous_memory_optimization``, ``number_checkpoints``,
+            ``synchronize_checkpoint_boundary``, ``profile``; ``leaf_modules``, ``exclude_frozen_parameters``,
+            ``load_full_weights``, ``node_local_storage``, ``compile``, ``compile_kwargs``, ``timeout``,
+            ``logging_level``, ``process_group_backend``; and the ones Fabric sets: ``accelerator``,
+            ``parallel_devices``, ``cluster_environment``, ``precision``. ``stage``, ``offload_optimizer`` and
+            ``offload_parameters`` are chosen here: passing one is an error.
     """
 
     def __init__(

@@ -26,6 +26,17 @@ class DDPExactStrategy(ProcessGroupMixin, ResumableDataMixin, ExactAccumulationM
     Accepts every ``DDPStrategy`` argument plus ``sync_with_dataloader`` (what a short last window of an epoch does;
     see :class:`~lightspeed.strategies.exact_accumulation.ExactAccumulationMixin`). In an interactive session
     (Jupyter, Colab) the workers are forked, as with Lightning's ``ddp_notebook``; ``start_method="fork"`` forces it.
+
+    Args:
+        *args: ``DDPStrategy``'s positional arguments, in its order.
+        sync_with_dataloader: ``True`` (default) steps the short last window of an epoch with its real size; ``False``
+            makes a short window an error.
+        **kwargs: Lightning's ``DDPStrategy`` arguments, passed on unchanged: ``accelerator``, ``parallel_devices``,
+            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``ddp_comm_state``, ``ddp_comm_hook``,
+            ``ddp_comm_wrapper``, ``model_averaging_period``, ``process_group_backend``, ``timeout`` (how long a
+            collective waits before a ``CollectiveTimeoutError`` names the rank that stopped answering),
+            ``start_method`` (``"fork"`` forks the workers, as in a notebook) and the keywords of torch's
+            ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
     """
 
     strategy_name = "ddp_exact"  # registered with Lightning by :mod:`lightspeed.registry`

@@ -254,6 +254,14 @@ class XLAExactStrategy(_LightspeedXLAStrategyMixin, ResumableDataMixin, ExactAcc
     trains in a forked worker, so the launching process never starts the XLA runtime and can launch again.
     Accepts ``XLAStrategy``'s arguments plus ``sync_with_dataloader`` (see the accumulation mixin),
     ``recompilation_alarm`` and ``recompilation_warmup_steps`` (see :class:`_LightspeedXLAStrategyMixin`).
+
+    Args:
+        *args: ``XLAStrategy``'s positional arguments, in its order.
+        **kwargs: lightspeed's ``sync_with_dataloader`` (``False``: a short last window of an epoch is an error),
+            ``recompilation_alarm`` (``False`` turns the warning about recompiling steps off) and
+            ``recompilation_warmup_steps`` (the first training steps, whose compilations are expected), and Lightning's
+            ``XLAStrategy`` arguments, passed on unchanged: ``accelerator``, ``parallel_devices``, ``checkpoint_io``,
+            ``precision_plugin`` (default: lightspeed's ``XLAPrecision("32-true")``), ``debug``, ``sync_module_states``.
     """
 
     strategy_name = "xla_exact"
@@ -285,6 +293,14 @@ class SingleDeviceXLAExactStrategy(
 
     What ``accelerator="xla", devices=1`` picks; also ``strategy="single_xla_exact"``. Takes the same extra arguments
     as :class:`XLAExactStrategy`, e.g. ``SingleDeviceXLAExactStrategy(recompilation_alarm=False)``.
+
+    Args:
+        device: the XLA device (its index, or a ``torch.device``).
+        *args: ``SingleDeviceXLAStrategy``'s other positional arguments, in its order.
+        **kwargs: lightspeed's ``sync_with_dataloader``, ``recompilation_alarm`` and ``recompilation_warmup_steps`` (as
+            for :class:`XLAExactStrategy`), and Lightning's ``SingleDeviceXLAStrategy`` arguments, passed on unchanged:
+            ``accelerator``, ``checkpoint_io``, ``precision_plugin`` (default: lightspeed's
+            ``XLAPrecision("32-true")``), ``debug``.
     """
 
     strategy_name = "single_xla_exact"

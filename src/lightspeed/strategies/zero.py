@@ -73,20 +73,41 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         offload_parameters: ``"none"``, ``"cpu"`` or ``"nvme"``; stage 3 only.
         nvme_path: directory for NVMe offload; defaults to ``$LIGHTSPEED_NVME_PATH``.
         pin_memory: page-lock offloaded CPU buffers (faster host-device copies on CUDA; no effect on CPU).
-        reduce_bucket_size, allgather_bucket_size, prefetch_bucket_size, param_persistence_threshold: ZeRO bucket
-            sizes in elements; ``"auto"`` derives them from the model's hidden size.
+        reduce_bucket_size: elements per gradient reduce bucket; ``"auto"``: h² (h: the model's
+            ``config.hidden_size``, else its widest ``nn.Linear``; DeepSpeed's default when there is neither).
+        allgather_bucket_size: elements per all-gather bucket, stages 1-2 only; ``"auto"``: DeepSpeed's default.
+        prefetch_bucket_size: elements of parameters ZeRO-3 fetches ahead; ``"auto"``: 0.9·h².
+        param_persistence_threshold: ZeRO-3 keeps parameters with at most this many elements whole on every rank;
+            ``"auto"``: 10·h; ``0`` partitions every parameter, however small.
         sub_group_size: ZeRO-3 optimizer sub-group size (elements), None for DeepSpeed's default.
         activation_checkpointing_policy: module classes (a set, e.g. ``{Block}``) whose instances' forward runs under
             ``deepspeed.checkpointing.checkpoint`` during training: only their inputs are kept for the backward pass,
             which runs their forward again. Applied before the engine is built; the model's code stays as it is.
-        partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
-            synchronize_checkpoint_boundary, profile: DeepSpeed's ``activation_checkpointing`` section, for the policy
-            and for ``deepspeed.checkpointing.checkpoint`` calls in the model. ``"auto"``: ``partition_activations``
-            and ``contiguous_memory_optimization`` off (no model parallelism to partition across),
-            ``cpu_checkpointing`` on when parameters are offloaded and the device is CUDA. The section is written only
-            when the policy or one of these asks for it (or ``config=`` has it).
+        partition_activations: DeepSpeed's ``activation_checkpointing`` section (this argument and the next five),
+            for the policy and for ``deepspeed.checkpointing.checkpoint`` calls in the model; the section is written
+            only when the policy or one of these asks for it (or ``config=`` has it). ``"auto"``: off (it splits
+            checkpoints across model-parallel ranks; there is no model parallelism to partition across).
+        cpu_checkpointing: keep the checkpointed activations in host memory; ``"auto"``: on when parameters are
+            offloaded and the device is CUDA.
+        contiguous_memory_optimization: copy checkpoints into one contiguous buffer (needs ``partition_activations``
+            and ``number_checkpoints``); ``"auto"``: off.
+        number_checkpoints: the checkpointed blocks in one forward pass (for ``contiguous_memory_optimization``).
+        synchronize_checkpoint_boundary: synchronize the device at each checkpoint boundary (CUDA).
+        profile: DeepSpeed's timing of the checkpointed forward and backward passes.
         config: DeepSpeed config dict or JSON path merged over the preset (its values win). ``"auto"`` is allowed
             wherever HF-style configs use it. Unknown keys and values that contradict Trainer arguments are errors.
+        accelerator: Lightning's accelerator (set by the Trainer from ``Trainer(accelerator=...)``).
+        parallel_devices: the devices of this node (set by the Trainer from ``Trainer(devices=...)``).
+        cluster_environment: Lightning's cluster environment (torchrun, SLURM, ...; set by the Trainer).
+        precision_plugin: Lightning's precision plugin (set by the Trainer from ``Trainer(precision=...)``).
+        process_group_backend: ``"nccl"`` or ``"gloo"``; ``None``: ``"nccl"`` on CUDA, ``"gloo"`` on the CPU.
+        timeout: how long a collective may wait for the other ranks before a ``CollectiveTimeoutError`` names the
+            collective and the rank that stopped answering.
+        logging_level: the level of DeepSpeed's logger.
+        exclude_frozen_parameters: leave parameters with ``requires_grad=False`` out of checkpoints.
+        load_full_weights: ``ckpt_path=`` may be a consolidated single-file checkpoint (written without ZeRO): its
+            weights go into the partitioned model and the optimizer's fp32 master copies; optimizer states start
+            fresh.
         sync_with_dataloader: exact gradient accumulation (see ``DeepSpeedExactAccumulationMixin``): ``True`` steps
             the short last window of an epoch with its gradient scaled to its real size; ``False`` requires full
             windows.
@@ -112,6 +133,9 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
             have), so ranks whose tokens reach different experts stay in step. Otherwise the modules to mark instead:
             module classes, class names or the ends of module names (``{MoeBlock}``, ``["Qwen3MoeSparseMoeBlock"]``,
             ``["mlp"]``); each must name a module of the model. ``None``: none. ZeRO-3 only.
+        **unsupported: none is taken: a keyword of Lightning's ``DeepSpeedStrategy`` that lightspeed does not take
+            (e.g. ``offload_params_device``, ``logging_batch_size_per_gpu``) is a ``TypeError`` saying what to use
+            instead.
     """
 
     strategy_name = "zero"

@@ -72,10 +72,16 @@ class ZeroAutoStrategy(ZeroStrategy):
         tune_cache: the JSON file of decisions (default ``~/.cache/lightspeed/zero_tune.json``); a decision is reused
             only for the same model shapes, world size, precision, micro-batch size, hardware and candidates.
         retune: measure even when the cache holds a decision.
-        **kwargs: the other :class:`ZeroStrategy` arguments: ``pin_memory``, the bucket sizes, ``sub_group_size``
-            (applied to whichever stage is chosen, where that stage has them), activation checkpointing
-            (``activation_checkpointing_policy`` and the ``activation_checkpointing`` section's arguments),
-            ``leaf_modules`` (marked when ZeRO-3 is chosen) and Lightning's.
+        **kwargs: the other :class:`ZeroStrategy` arguments, as there: ``pin_memory``, ``reduce_bucket_size``,
+            ``allgather_bucket_size``, ``prefetch_bucket_size``, ``param_persistence_threshold``, ``sub_group_size``
+            (applied to whichever stage is chosen, where that stage has them); activation checkpointing:
+            ``activation_checkpointing_policy``, ``partition_activations``, ``cpu_checkpointing``,
+            ``contiguous_memory_optimization``, ``number_checkpoints``, ``synchronize_checkpoint_boundary``,
+            ``profile``; ``leaf_modules`` (marked when ZeRO-3 is chosen); ``exclude_frozen_parameters``,
+            ``load_full_weights``, ``sync_with_dataloader``, ``node_local_storage``, ``start_method``, ``compile``,
+            ``compile_kwargs``, ``models``, ``timeout``, ``logging_level``, ``process_group_backend``; and the ones
+            the Trainer sets: ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``precision_plugin``.
+            ``stage``, ``offload_optimizer`` and ``offload_parameters`` are chosen here: passing one is an error.
     """
 
     strategy_name = "zero_auto"

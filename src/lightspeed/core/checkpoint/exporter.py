@@ -23,7 +23,18 @@ __all__ = ["ExportResult", "export_checkpoint_path", "export_lightning_file", "e
 
 @dataclass
 class ExportResult:
-    """What an export wrote."""
+    """What an export wrote.
+
+    Attributes:
+        output_dir: the directory written.
+        files: the files written, relative to ``output_dir``.
+        num_tensors: tensors written.
+        total_bytes: bytes of tensor data written.
+        tied: tied weights: each name not written -> the name written in its place (restored by ``load_exported``).
+        skipped: state_dict entries that are not tensors (extra state), not written.
+        models: with several models (``models=``): each model's own result, by name (its files in
+            ``output_dir/<name>/``).
+    """
 
     output_dir: Path
     files: list[str]

@@ -23,7 +23,12 @@ __all__ = ["LoadResult", "describe_key_mismatch", "export_files", "is_export", "
 
 
 class LoadResult(NamedTuple):
-    """Keys of the module that the export lacks, and keys of the export the module lacks (like ``load_state_dict``)."""
+    """Keys of the module that the export lacks, and keys of the export the module lacks (like ``load_state_dict``).
+
+    Attributes:
+        missing_keys: keys of the module that the export lacks.
+        unexpected_keys: keys of the export that the module lacks.
+    """
 
     missing_keys: list[str]
     unexpected_keys: list[str]

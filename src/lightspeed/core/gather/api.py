@@ -75,6 +75,13 @@ def gather_for_metrics(
 
     ``dataloader`` names the dataloader ``data`` came from, iterated with :func:`track` (its latest iteration's
     state is used); the rows must then be its current batch or everything so far, else every rank raises.
+
+    Args:
+        data: a tensor, or a nested dict/list/tuple of tensors, one row per sample; a list of picklable objects is
+            gathered as objects.
+        state: the :class:`GatherState` to use instead of the current one (``GatherForMetrics`` passes its own).
+        first_sample: this rank's position of ``data``'s row 0 among the samples it produced this epoch.
+        dataloader: the dataloader ``data`` came from (needed when several are iterated at once).
     """
     if not is_distributed():
         return data
@@ -110,6 +117,9 @@ def gather_object(obj: Any) -> list[Any]:
 
     No de-duplication (use :func:`gather_for_metrics` with a list for per-sample objects). On a single process:
     ``[obj]``.
+
+    Args:
+        obj: any picklable object.
     """
     if not is_distributed():
         return [obj]
@@ -125,6 +135,10 @@ def track(dataloader: Iterable[Any], state: GatherState | None = None) -> Iterat
     ``gather_for_metrics(..., dataloader=loader)``. When the loop runs out, every rank checks that the others ran the
     same number of batches (:func:`end_of_dataloader`; shards without padding may differ); the state stays current
     afterwards, so one gather of everything the loop produced also works.
+
+    Args:
+        dataloader: this rank's dataloader (its sampler tells which samples are padding).
+        state: the :class:`GatherState` to make current instead of the one read from ``dataloader``.
     """
     state = state if state is not None else GatherState.from_dataloader(dataloader)
     state.reset()

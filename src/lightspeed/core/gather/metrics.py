@@ -361,6 +361,15 @@ def exact_metrics(
     target)`` is called once on everything gathered. Ranks may run different numbers of batches when every sample of
     their shards is real. Returns ``{name: value}``, the same on every rank. ``device`` holds the metric copies
     (default: that of the first predictions).
+
+    Args:
+        dataloader: this rank's evaluation dataloader (with a distributed sampler, or sharded with
+            :func:`shard_iterable`).
+        step: ``batch -> (preds, target)``, one row per sample of the batch.
+        metrics: ``{name: metric}``: torchmetrics metrics (updated on copies) or plain ``fn(preds, target)`` callables.
+        device: where the metric copies live; ``None``: the device of the first predictions.
+        gather_every: batches per gather, as ``GatherForMetrics``'s: ``"auto"``, a number, ``"batch"`` or ``"epoch"``.
+        buffer_limit: bytes of outputs per rank that ``"auto"`` aims at (an int or a size such as ``"4MiB"``).
     """
     owner = "lightspeed.exact_metrics"
     policy = WindowPolicy.parse(gather_every, buffer_limit, owner)

@@ -36,6 +36,12 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: Any = 0, pad_first:
 
     A ``dim`` that a tensor does not have is an error (on every rank), as is a nested tensor (``torch.nested``):
     convert it with ``.to_padded_tensor(...)`` first.
+
+    Args:
+        data: a tensor or a nested dict/list/tuple of tensors.
+        dim: the dimension to pad.
+        pad_index: the value of the padding.
+        pad_first: pad at the start instead of the end.
     """
     if not is_distributed():
         return data

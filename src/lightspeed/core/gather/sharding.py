@@ -106,5 +106,10 @@ def shard_iterable(
     :func:`lightspeed.gather_for_metrics` returns each sample exactly once, in dataset order. With DataLoader
     workers, pass the loader's ``batch_size`` (each worker takes whole batches in turn). The rank and world size are
     read from the process group when iterated. ``DataLoader(shard_iterable(stream), batch_size=8)``.
+
+    Args:
+        dataset: an iterable (e.g. an ``IterableDataset``) that yields the whole dataset on every rank.
+        length: the number of samples, when ``dataset`` has no ``len()`` (``None``: unknown, nothing padded).
+        batch_size: the DataLoader's batch size, needed with DataLoader workers.
     """
     return ShardedIterable(dataset, length=length, batch_size=batch_size)

@@ -265,6 +265,18 @@ def bucket_collate(
     Example::
 
         loader = DataLoader(dataset, batch_size=8, collate_fn=bucket_collate((128, 256, 512), pad_value=pad_id))
+
+    Args:
+        buckets: the lengths to pad to, strictly increasing (each batch takes the smallest that holds its longest
+            sample).
+        dim: the sequence dimension of the collated batch (of each sample: ``dim - 1``).
+        pad_value: what padded positions hold, unless ``pad_values`` names the tensor.
+        pad_values: pad values by the tensor's key (or index) in its sample; added to the defaults
+            ``{"labels": -100, "attention_mask": 0}``.
+        keys: only pad the tensors with these keys (or indices); by default every tensor with the sequence dimension.
+        mask_key: the key of the attention mask added to mapping samples that have none; ``None``: no mask.
+        collate_fn: the collate function to run first (e.g. a tokenizer's collator); its batch is then padded to the
+            bucket.
     """
     checked = check_buckets(buckets)
     dim = _check_dim(dim)

@@ -82,7 +82,14 @@ def gathered_for_evaluation(
     half of every rank's free memory; ``True`` always gathers (one all-gather instead of one per layer and batch);
     ``False`` never. Counts known to differ on a model left partitioned raise :class:`UnevenEvaluationError` on every
     rank instead of hanging in a forward pass. ``what`` names the evaluation in messages. A model that is not
-    partitioned over several ranks is left as it is."""
+    partitioned over several ranks is left as it is.
+
+    Args:
+        model: the model (or the engine/module holding it) whose forward passes the block runs.
+        *dataloaders: this rank's evaluation dataloaders, or their numbers of batches on this rank.
+        enabled: ``"auto"``, ``True`` (always gather) or ``False`` (never).
+        what: the evaluation's name in messages (``"validation"``, ``"test"``, ...).
+    """
     if enabled not in (True, False, "auto"):
         raise ValueError(f'gathered_for_evaluation(enabled=...) takes True, False or "auto"; got {enabled!r}.')
     if not partitioned_over_ranks(model):

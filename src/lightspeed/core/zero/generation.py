@@ -188,7 +188,12 @@ def gathered_for_generation(model: nn.Module, enabled: bool | str = "auto") -> I
     model that is not partitioned over several ranks is left as it is. Generation inside still passes
     ``synced_gpus=True`` (cheap: one flag per token), so ranks that stop at different steps stay in step. Inside
     :func:`forward_without_collectives` (an evaluation with different batch counts per rank, model already whole) it
-    yields True at once, without a collective."""
+    yields True at once, without a collective.
+
+    Args:
+        model: the model (or the engine/module holding it) that generates inside the block.
+        enabled: ``"auto"``, ``True`` (always gather) or ``False`` (never).
+    """
     if enabled not in (True, False, "auto"):
         raise ValueError(f'gathered_for_generation(enabled=...) takes True, False or "auto"; got {enabled!r}.')
     params = [p for p in model.parameters() if hasattr(p, "ds_id")]

@@ -76,7 +76,15 @@ def load_pretrained(
     module lacks (both empty with ``strict``, which refuses them).
 
     A collective when several processes run: every rank calls it. ``optimizer``: the ZeRO optimizer of an engine that
-    already exists, whose fp32 master copies are refreshed afterwards."""
+    already exists, whose fp32 master copies are refreshed afterwards.
+
+    Args:
+        module: the module to load into, whole or partitioned by ZeRO-3.
+        path: a directory with ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
+        strict: refuse module keys the files lack and file keys the module lacks (``False``: load the matching
+            tensors and return what was skipped).
+        optimizer: the ZeRO optimizer of an engine that already exists, whose fp32 master copies are refreshed.
+    """
     path = Path(path)
     files: _SafetensorsFiles | None = None
     shapes: dict[str, tuple[int, ...]] = {}

@@ -63,6 +63,10 @@ class XLAAccelerator(_LightningXLAAccelerator):
     """Accelerator for whatever PJRT device torch_xla is configured for (``PJRT_DEVICE``: TPU, CUDA, CPU, ...).
 
     Registered as ``accelerator="xla"`` by ``import lightspeed``.
+
+    Args:
+        *args: passed to Lightning's ``XLAAccelerator``, which takes none.
+        **kwargs: passed to Lightning's ``XLAAccelerator``, which takes none.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
