@@ -9,6 +9,9 @@ still weighs the two chosen experts, so it trains too.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -117,3 +120,14 @@ def close(got: dict[str, torch.Tensor], tolerance: float = 1e-5) -> None:
     for index in range(EXPERTS):  # every expert trained
         key = f"moe.experts.{index}.0.weight"
         assert (want[key] - start[key]).abs().max() > 1e-3, key
+
+
+def check_run(proc: Any, out: Path) -> None:
+    """A run of a MoE worker script (``OUT/result.pt`` written, its output in ``proc``): the block was marked as a
+    leaf module, logged once (rank 0), and the weights equal one process."""
+    result = torch.load(out / "result.pt")
+    assert result["leaf"]
+    close(result["weights"])
+    output = proc.stdout + proc.stderr
+    assert output.count("ZeRO-3 leaf modules (mixture-of-experts blocks found") == 1  # rank 0 only
+    assert "): SparseMoeBlock" in output
