@@ -1,10 +1,13 @@
-"""Checks of the plain arguments a user passes (counts, dimensions, step numbers), shared by the core's features."""
+"""Checks of the plain arguments a user passes (counts, dimensions, step numbers, module classes), shared by the
+core's features."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["require_whole_number"]
+from torch import nn
+
+__all__ = ["module_class_problem", "require_whole_number"]
 
 
 def require_whole_number(value: Any, minimum: int, message: str) -> int:
@@ -14,3 +17,19 @@ def require_whole_number(value: Any, minimum: int, message: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(message)
     return value
+
+
+def module_class_problem(entry: Any, whole_model: str) -> str | None:
+    """What is wrong with ``entry`` where a ``torch.nn.Module`` subclass is expected, for a message listing the
+    problems of several entries; None when it is one, and for other objects than modules and classes (the caller
+    says what those should be). ``whole_model``: what ``torch.nn.Module`` itself would make of the whole model
+    (``"one checkpoint"``)."""
+    if isinstance(entry, nn.Module):
+        return f"{entry!r} (a {type(entry).__name__} instance): pass its class, e.g. {type(entry).__name__}"
+    if not isinstance(entry, type):
+        return None
+    if not issubclass(entry, nn.Module):
+        return f"{entry.__qualname__} is not a torch.nn.Module subclass"
+    if entry is nn.Module:
+        return f"torch.nn.Module matches every module, so the whole model would be {whole_model}"
+    return None

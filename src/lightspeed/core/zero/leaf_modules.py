@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from lightspeed.core.common.checks import module_class_problem
 from lightspeed.core.common.distributed import global_rank
 from lightspeed.core.common.logs import logger
 from lightspeed.core.errors import DeepSpeedConfigError
@@ -112,16 +113,12 @@ def _checked_entries(value: Any) -> tuple[LeafEntry, ...]:
         if isinstance(entry, str):
             if not entry.strip():
                 problems.append("an empty string")
-        elif not isinstance(entry, type):
-            problems.append(
-                f"{entry!r} (a {type(entry).__name__} instance): pass its class"
-                if isinstance(entry, nn.Module)
-                else f"{entry!r} (of type {type(entry).__name__})"
-            )
-        elif not issubclass(entry, nn.Module):
-            problems.append(f"{entry.__qualname__} is not a torch.nn.Module subclass")
-        elif entry is nn.Module:
-            problems.append("torch.nn.Module matches every module, so the whole model would be one leaf")
+            continue
+        problem = module_class_problem(entry, "one leaf")
+        if problem is None and not isinstance(entry, type):
+            problem = f"{entry!r} (of type {type(entry).__name__})"
+        if problem is not None:
+            problems.append(problem)
     if problems:
         raise DeepSpeedConfigError(
             f"leaf_modules holds entries that name no module: {'; '.join(problems)}. Pass module classes, class "

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lightspeed.core.common.checks import module_class_problem
 from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config.choices import AUTO
 
@@ -67,16 +68,11 @@ def checked_policy(policy: Any) -> Policy | None:
     entries = sorted(policy, key=repr) if isinstance(policy, (set, frozenset)) else list(policy)
     problems = []
     for entry in entries:
-        if not isinstance(entry, type):
-            problems.append(
-                f"{entry!r} (a {type(entry).__name__} instance): pass its class, e.g. {type(entry).__name__}"
-                if isinstance(entry, torch.nn.Module)
-                else f"{entry!r} (a {type(entry).__name__}): pass the module class itself, not its name or an object"
-            )
-        elif not issubclass(entry, torch.nn.Module):
-            problems.append(f"{entry.__qualname__} is not a torch.nn.Module subclass")
-        elif entry is torch.nn.Module:
-            problems.append("torch.nn.Module matches every module, so the whole model would be one checkpoint")
+        problem = module_class_problem(entry, "one checkpoint")
+        if problem is None and not isinstance(entry, type):
+            problem = f"{entry!r} (a {type(entry).__name__}): pass the module class itself, not its name or an object"
+        if problem is not None:
+            problems.append(problem)
     if problems:
         listed = "; ".join(problems)
         raise DeepSpeedConfigError(
