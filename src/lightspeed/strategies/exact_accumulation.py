@@ -41,7 +41,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightspeed.core.accumulation.exact import ExactAccumulator, distributed_sum, scale_gradients
+from lightspeed.core.accumulation.exact import (
+    AllReduceStart,
+    ExactAccumulator,
+    distributed_sum,
+    distributed_sum_started,
+    scale_gradients,
+)
 from lightspeed.core.common.batch import count_samples
 from lightspeed.core.zero.accumulation import scale_deepspeed_gradients_at_step, set_deepspeed_boundary
 from lightspeed.strategies.mixin_bases import DeepSpeedStrategyBase, StrategyBase
@@ -71,6 +77,7 @@ class ExactAccumulationMixin(StrategyBase):
         self.sync_with_dataloader = sync_with_dataloader
         self._exact: ExactAccumulator | None = None
         self._exact_multiplier = 1.0
+        self._exact_step_active = False  # _exact_active() as the running micro-batch's training_step found it
 
     # ----------------------------------------------------------------- state
     def _exact_active(self) -> bool:
@@ -92,6 +99,7 @@ class ExactAccumulationMixin(StrategyBase):
                 all_reduce_sum=self._exact_all_reduce_sum,
                 gradients_averaged=self._exact_gradients_averaged,
                 device=self.root_device,
+                all_reduce_start=self._exact_all_reduce_start(),
             )
         return self._exact
 
@@ -106,6 +114,11 @@ class ExactAccumulationMixin(StrategyBase):
         """Sum a small tensor over all ranks, in place; once per window."""
         return distributed_sum(tensor)
 
+    def _exact_all_reduce_start(self) -> AllReduceStart | None:
+        """How to start the window's count sum when its last micro-batch is recorded, without waiting for it (None:
+        summed by :meth:`_exact_all_reduce_sum` when the window ends)."""
+        return distributed_sum_started
+
     def _exact_scale_gradients(self, optimizer: Optimizer, factor: float) -> None:
         """Multiply the accumulated, synced gradients by ``factor``."""
         scale_gradients((p for group in optimizer.param_groups for p in group["params"]), factor)
@@ -118,8 +131,9 @@ class ExactAccumulationMixin(StrategyBase):
     # ------------------------------------------------------------ the hooks
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._exact_step_active = self._exact_active()  # once per micro-batch: its backward reads the flag
         output = super().training_step(*args, **kwargs)
-        if self._exact_active():
+        if self._exact_step_active:
             batch = args[0] if args else kwargs.get("batch")
             self._exact_record(output, batch)
         return output
@@ -128,7 +142,8 @@ class ExactAccumulationMixin(StrategyBase):
         trainer = self._exact_trainer()
         accumulate = trainer.accumulate_grad_batches
         accumulator = self.exact_accumulator
-        if trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0:
+        position = trainer.fit_loop.epoch_loop.batch_idx % accumulate
+        if position == 0:
             accumulator.start_window()  # the same rule Lightning uses to zero gradients
         self._exact_multiplier = 1.0
         if isinstance(output, Mapping):
@@ -139,9 +154,14 @@ class ExactAccumulationMixin(StrategyBase):
             return  # skipped step; Lightning reports a dict without "loss" itself
         num_samples = count_samples(batch) if num_items is None else None
         micro_batch = self._exact_micro_batch_size()
-        window_items = self._exact_window_length(trainer) * micro_batch if micro_batch else None
+        window_length = self._exact_window_length(trainer)
         self._exact_multiplier = accumulator.record(
-            loss, num_items, num_samples, normalized_by=accumulate, window_items=window_items
+            loss,
+            num_items,
+            num_samples,
+            normalized_by=accumulate,
+            window_items=window_length * micro_batch if micro_batch else None,
+            closes_window=position == window_length - 1,
         )
 
     @staticmethod
@@ -157,7 +177,7 @@ class ExactAccumulationMixin(StrategyBase):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._exact_active() and self._exact_multiplier != 1.0:
+        if self._exact_step_active and self._exact_multiplier != 1.0:
             closure_loss = closure_loss * self._exact_multiplier
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
@@ -213,7 +233,7 @@ class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin, DeepSpeedStrategyB
       every micro-batch by DeepSpeed's design (each rank keeps only its gradient partition).
     * ``engine.backward`` runs with ``scale_wrt_gas=False``: the mixin does the weighting itself.
     * The window factor ``W / T`` (exactly 1 for a full window of configured micro-batches: nothing to do) is
-      applied through the ZeRO optimizer's loss scale for that one step
+      multiplied into the reduced gradients where ZeRO keeps them, before ``on_before_optimizer_step``
       (:func:`scale_deepspeed_gradients_at_step`).
     """
 
@@ -246,7 +266,7 @@ class DeepSpeedExactAccumulationMixin(ExactAccumulationMixin, DeepSpeedStrategyB
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._exact_active():
+        if self._exact_step_active:
             kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
