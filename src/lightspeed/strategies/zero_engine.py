@@ -114,6 +114,7 @@ class ZeroEngineMixin(_ZeroStrategyBase):
     @override
     def init_deepspeed(self) -> None:
         trainer = self._module().trainer
+        self.__dict__.pop("_configured", None)  # left by a set-up that failed before Lightning took it
         if trainer.training and not self.several_models and "optimizer" not in self.config:
             configured = self._configured_optimizers()
             if len(configured[0]) > 1:  # a GAN under a plain name: one engine per model, if they can be inferred
