@@ -46,7 +46,6 @@ def _public() -> list[tuple[str, Any]]:
 FORWARDS: dict[str, type] = {
     "lightspeed.strategies.DDPExactStrategy": DDPStrategy,
     "lightspeed.strategies.XLAExactStrategy": XLAStrategy,
-    "lightspeed.strategies.SingleDeviceXLAExactStrategy": SingleDeviceXLAStrategy,
     "lightspeed.strategies.ZeroAutoStrategy": lightspeed.strategies.ZeroStrategy,
     "lightspeed.fabric.DDPExactFabricStrategy": FabricDDPStrategy,
     "lightspeed.fabric.ZeroAutoFabricStrategy": lightspeed.fabric.ZeroFabricStrategy,
@@ -158,3 +157,19 @@ def test_every_public_class_and_function_is_on_a_reference_page() -> None:
     directives = set(re.findall(r"^::: (\S+)$", pages, re.MULTILINE))
     missing = [name for name, _ in _public() if name not in directives]
     assert not missing, f"no `::: name` on a docs/reference page for {missing}"
+
+
+@pytest.mark.parametrize(
+    ("name", "lightning"),
+    [
+        ("XLAExactStrategy", XLAStrategy),
+        ("SingleDeviceXLAExactStrategy", SingleDeviceXLAStrategy),
+    ],
+)
+def test_the_xla_strategies_show_their_real_signatures(name: str, lightning: type) -> None:
+    """Every named argument of Lightning's strategy, in its order, and lightspeed's own, keyword-only."""
+    params = inspect.signature(getattr(lightspeed.strategies, name)).parameters
+    theirs = [p for p, v in inspect.signature(lightning).parameters.items() if v.kind is v.POSITIONAL_OR_KEYWORD]
+    assert [p for p, v in params.items() if v.kind is v.POSITIONAL_OR_KEYWORD] == theirs
+    own = {p for p, v in params.items() if v.kind is v.KEYWORD_ONLY}
+    assert own == {"sync_with_dataloader", "recompilation_alarm", "recompilation_warmup_steps"}

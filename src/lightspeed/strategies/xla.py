@@ -24,6 +24,7 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 from lightning.pytorch.plugins.precision.xla import XLAPrecision as _LightningXLAPrecision
 from lightning.pytorch.strategies.launchers.xla import _XLALauncher
@@ -256,19 +257,49 @@ class XLAExactStrategy(_LightspeedXLAStrategyMixin, ResumableDataMixin, ExactAcc
     ``recompilation_alarm`` and ``recompilation_warmup_steps`` (see :class:`_LightspeedXLAStrategyMixin`).
 
     Args:
-        *args: ``XLAStrategy``'s positional arguments, in its order.
-        **kwargs: lightspeed's ``sync_with_dataloader`` (``False``: a short last window of an epoch is an error),
-            ``recompilation_alarm`` (``False`` turns the warning about recompiling steps off) and
-            ``recompilation_warmup_steps`` (the first training steps, whose compilations are expected), and Lightning's
-            ``XLAStrategy`` arguments, passed on unchanged: ``accelerator``, ``parallel_devices``, ``checkpoint_io``,
-            ``precision_plugin`` (default: lightspeed's ``XLAPrecision("32-true")``), ``debug``, ``sync_module_states``.
+        accelerator: Lightning's accelerator (set by the Trainer from ``Trainer(accelerator="xla")``).
+        parallel_devices: the XLA devices of this host (set by the Trainer from ``Trainer(devices=...)``).
+        checkpoint_io: how checkpoints are written (Lightning's ``XLACheckpointIO`` by default).
+        precision_plugin: the precision plugin; ``None``: lightspeed's ``XLAPrecision("32-true")``.
+        debug: torch_xla's debug mode (``PT_XLA_DEBUG``).
+        sync_module_states: broadcast rank 0's weights to every replica when the model is set up.
+        sync_with_dataloader: ``True`` (default) steps the short last window of an epoch with its real size; ``False``
+            makes a short window an error.
+        recompilation_alarm: ``False`` turns the warning about recompiling steps off (see
+            :class:`~lightspeed.xla.RecompilationAlarm`).
+        recompilation_warmup_steps: the first training steps of a fit, whose compilations are expected.
+        **kwargs: passed on to Lightning's ``XLAStrategy``, which ignores keywords it does not know.
     """
 
     strategy_name = "xla_exact"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: _LightningXLAPrecision | None = None,
+        debug: bool = False,
+        sync_module_states: bool = True,
+        *,
+        sync_with_dataloader: bool = True,
+        recompilation_alarm: bool = True,
+        recompilation_warmup_steps: int = DEFAULT_WARMUP_STEPS,
+        **kwargs: Any,
+    ) -> None:
         _require_torch_xla()
-        super().__init__(*args, **kwargs)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            debug=debug,
+            sync_module_states=sync_module_states,
+            sync_with_dataloader=sync_with_dataloader,
+            recompilation_alarm=recompilation_alarm,
+            recompilation_warmup_steps=recompilation_warmup_steps,
+            **kwargs,
+        )
 
     @override
     def _configure_launcher(self) -> None:
@@ -299,15 +330,37 @@ class SingleDeviceXLAExactStrategy(
 
     Args:
         device: the XLA device (its index, or a ``torch.device``).
-        *args: ``SingleDeviceXLAStrategy``'s other positional arguments, in its order.
-        **kwargs: lightspeed's ``sync_with_dataloader``, ``recompilation_alarm`` and ``recompilation_warmup_steps`` (as
-            for :class:`XLAExactStrategy`), and Lightning's ``SingleDeviceXLAStrategy`` arguments, passed on unchanged:
-            ``accelerator``, ``checkpoint_io``, ``precision_plugin`` (default: lightspeed's
-            ``XLAPrecision("32-true")``), ``debug``.
+        accelerator: Lightning's accelerator (set by the Trainer from ``Trainer(accelerator="xla")``).
+        checkpoint_io: how checkpoints are written (Lightning's ``XLACheckpointIO`` by default).
+        precision_plugin: the precision plugin; ``None``: lightspeed's ``XLAPrecision("32-true")``.
+        debug: torch_xla's debug mode (``PT_XLA_DEBUG``).
+        sync_with_dataloader: as for :class:`XLAExactStrategy`.
+        recompilation_alarm: as for :class:`XLAExactStrategy`.
+        recompilation_warmup_steps: as for :class:`XLAExactStrategy`.
     """
 
     strategy_name = "single_xla_exact"
 
-    def __init__(self, device: Any = 0, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        device: Any = 0,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: _LightningXLAPrecision | None = None,
+        debug: bool = False,
+        *,
+        sync_with_dataloader: bool = True,
+        recompilation_alarm: bool = True,
+        recompilation_warmup_steps: int = DEFAULT_WARMUP_STEPS,
+    ) -> None:
         _require_torch_xla()
-        super().__init__(device, *args, **kwargs)
+        super().__init__(
+            device=device,
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            debug=debug,
+            sync_with_dataloader=sync_with_dataloader,
+            recompilation_alarm=recompilation_alarm,
+            recompilation_warmup_steps=recompilation_warmup_steps,
+        )
