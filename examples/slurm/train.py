@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", default="checkpoints")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=4096, help="size of the generated dataset")
     args = parser.parse_args()
 
     L.seed_everything(0)
@@ -56,7 +57,7 @@ def main() -> None:
         if args.node_local_checkpoints
         else args.strategy
     )
-    data = TensorDataset(torch.randn(4096, args.width), torch.randn(4096, args.width))
+    data = TensorDataset(torch.randn(args.samples, args.width), torch.randn(args.samples, args.width))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator=args.accelerator,

@@ -43,6 +43,29 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def srun_env(rank: int, port: int, nodes: int = 2, tasks_per_node: int = 2) -> dict[str, str]:
+    """What `srun` sets for task ``rank`` of `sbatch --nodes=NODES --ntasks-per-node=TASKS_PER_NODE` (every node is
+    this machine)."""
+    tasks = nodes * tasks_per_node
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "lightspeed-test",
+        "SLURM_NTASKS": str(tasks),
+        "SLURM_NPROCS": str(tasks),
+        "SLURM_NNODES": str(nodes),
+        "SLURM_JOB_NUM_NODES": str(nodes),
+        "SLURM_NTASKS_PER_NODE": str(tasks_per_node),
+        "SLURM_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank % tasks_per_node),
+        "SLURM_NODEID": str(rank // tasks_per_node),
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+        "SLURM_NODELIST": "127.0.0.1",
+        "SLURM_CPUS_PER_TASK": "1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def _check(proc: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
     if proc.returncode != 0:
         tail = (proc.stdout or "")[-6000:] + "\n--- stderr ---\n" + (proc.stderr or "")[-8000:]

@@ -11,30 +11,9 @@ from pathlib import Path
 
 import torch
 
-from _support.launch import REPO_ROOT, child_env, free_port, run_torchrun
+from _support.launch import REPO_ROOT, child_env, free_port, run_torchrun, srun_env
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "multinode.py"
-
-
-def srun_env(rank: int, port: int) -> dict[str, str]:
-    """What `srun` sets for task ``rank`` of `sbatch --nodes=2 --ntasks-per-node=2` (both nodes are this machine)."""
-    return {
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NAME": "lightspeed-test",
-        "SLURM_NTASKS": "4",
-        "SLURM_NPROCS": "4",
-        "SLURM_NNODES": "2",
-        "SLURM_JOB_NUM_NODES": "2",
-        "SLURM_NTASKS_PER_NODE": "2",
-        "SLURM_TASKS_PER_NODE": "2(x2)",
-        "SLURM_PROCID": str(rank),
-        "SLURM_LOCALID": str(rank % 2),
-        "SLURM_NODEID": str(rank // 2),
-        "SLURM_JOB_NODELIST": "127.0.0.1",
-        "SLURM_NODELIST": "127.0.0.1",
-        "SLURM_CPUS_PER_TASK": "1",
-        "MASTER_PORT": str(port),
-    }
 
 
 def test_srun_tasks_train_through_lightnings_slurm_environment(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Worker for the multi-node, SLURM and node-local checkpoint tests; started by torchrun (one torchrun per simulated
 node, each in its own working directory) or as plain processes with the environment ``srun`` gives its tasks.
 
-usage: multinode.py MODE SHARED NUM_NODES
+usage: multinode.py MODE SHARED NUM_NODES [RUNS TAG]
   train    - zero2_offload: 1 epoch with a checkpoint in SHARED, resume to 2 epochs; zero3 with node_local_storage:
              1 epoch with checkpoints in ./ckpt (relative: each node its own), resume to 2 epochs. Rank 0 writes the
              final weights to SHARED/weights_<nodes>x<devices>.pt.
@@ -9,12 +9,18 @@ usage: multinode.py MODE SHARED NUM_NODES
   resume   - only the node-local zero3 resume from ./ckpt/last.ckpt (the test removed a node's files first).
   slurm    - zero3_offload for 1 epoch under Lightning's SLURM environment; rank 0 writes SHARED/weights_slurm.pt.
   mismatch - a Trainer whose num_nodes disagrees with the launcher's world.
+  hosts    - one torchrun per simulated host (tests/_support/hosts.py, working directory: the host's own disk): the
+             runs named in RUNS (comma-separated) for 2 epochs each: a strategy name (``zero3``, ``zero2_offload``),
+             or ``zero3_node_local``: 1 epoch with node-local checkpoints in ./ckpt, resumed to 2 epochs. Rank 0
+             writes SHARED/weights_<TAG>.pt, every rank SHARED/<TAG>_rank<R>.json (its hostname, its host's address,
+             the rendezvous address, its place).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -131,9 +137,42 @@ def mismatch(shared: Path, num_nodes: int) -> None:
     (shared / f"mismatch_rank{os.environ.get('RANK', '0')}.txt").write_text(outcome)
 
 
+def hosts(shared: Path, num_nodes: int, runs: str = "zero3", tag: str = "hosts") -> None:
+    weights = {}
+    for name in runs.split(","):
+        if name == "zero3_node_local":
+            every = {"dirpath": "ckpt", "save_last": True, "save_top_k": 0, "every_n_train_steps": 4}
+            fit(node_local(), num_nodes, DEVICES, 1, callbacks=[ModelCheckpoint(**every)])
+            run, weights[name] = fit(
+                node_local(), num_nodes, DEVICES, 2, ckpt_path="ckpt/last.ckpt", enable_checkpointing=False
+            )
+        else:
+            run, weights[name] = fit(name, num_nodes, DEVICES, 2, enable_checkpointing=False)
+    if run.is_global_zero:
+        torch.save(weights, shared / f"weights_{tag}.pt")
+    hostname = socket.gethostname()
+    facts = {
+        "hostname": hostname,
+        "address": socket.gethostbyname(hostname),
+        "master_addr": os.environ["MASTER_ADDR"],
+        "master_address": socket.gethostbyname(os.environ["MASTER_ADDR"]),
+        "node_rank": run.node_rank,
+        "local_rank": run.local_rank,
+        "world_size": run.world_size,
+        "global_step": run.global_step,
+    }
+    (shared / f"{tag}_rank{run.global_rank}.json").write_text(json.dumps(facts))
+
+
 if __name__ == "__main__":
     mode, shared, nodes = sys.argv[1], Path(sys.argv[2]).resolve(), int(sys.argv[3])
     shared.mkdir(parents=True, exist_ok=True)
-    {"train": train, "reference": reference, "resume": resume, "slurm": slurm, "mismatch": mismatch}[mode](
-        shared, nodes
-    )
+    modes = {
+        "train": train,
+        "reference": reference,
+        "resume": resume,
+        "slurm": slurm,
+        "mismatch": mismatch,
+        "hosts": hosts,
+    }
+    modes[mode](shared, nodes, *sys.argv[4:])
