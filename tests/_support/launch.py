@@ -66,6 +66,29 @@ def srun_env(rank: int, port: int, nodes: int = 2, tasks_per_node: int = 2) -> d
     }
 
 
+def run_srun_tasks(
+    cmd: Sequence[str], nodes: int, tasks_per_node: int, cwd: Path = REPO_ROOT, timeout: float = 900
+) -> list[str]:
+    """Start ``cmd`` once per task with the environment `srun` gives it (:func:`srun_env`; every node is this
+    machine), wait for all of them, and return each task's output; a task that fails fails the test with its output."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            list(cmd),
+            env=child_env(srun_env(rank, port, nodes, tasks_per_node)),
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(nodes * tasks_per_node)
+    ]
+    outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"task {rank} failed:\n{out[-6000:]}"
+    return outputs
+
+
 def _check(proc: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
     if proc.returncode != 0:
         tail = (proc.stdout or "")[-6000:] + "\n--- stderr ---\n" + (proc.stderr or "")[-8000:]

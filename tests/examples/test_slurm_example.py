@@ -4,35 +4,20 @@ exports."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 from safetensors.torch import load_file
 
-from _support.launch import REPO_ROOT, child_env, free_port, srun_env
+from _support.launch import REPO_ROOT, run_srun_tasks
 
 SCRIPT = REPO_ROOT / "examples" / "slurm" / "train.py"
 
 
 def test_the_slurm_example_trains_checkpoints_and_exports_under_srun(tmp_path: Path) -> None:
-    port = free_port()
     args = ["--num-nodes", "1", "--devices", "2", "--accelerator", "cpu", "--strategy", "zero3_offload"]
     args += ["--epochs", "1", "--width", "16", "--samples", "256"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), *args],
-            env=child_env(srun_env(rank, port, nodes=1, tasks_per_node=2)),
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
-    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"task {rank} failed:\n{out[-6000:]}"
+    outputs = run_srun_tasks([sys.executable, str(SCRIPT), *args], nodes=1, tasks_per_node=2, cwd=tmp_path)
     assert "ZeRO-3, optimizer states on cpu, parameters on cpu" in outputs[0]
     assert (tmp_path / "checkpoints" / "last.ckpt").is_dir()
     weights = load_file(tmp_path / "export" / "model.safetensors")

@@ -5,34 +5,18 @@ torchrun."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from _support.launch import REPO_ROOT, child_env, free_port, run_torchrun, srun_env
+from _support.launch import REPO_ROOT, run_srun_tasks, run_torchrun
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "multinode.py"
 
 
 def test_srun_tasks_train_through_lightnings_slurm_environment(tmp_path: Path) -> None:
-    port = free_port()
-    cmd = [sys.executable, str(SCRIPT), "slurm", str(tmp_path / "slurm"), "2"]
-    procs = [
-        subprocess.Popen(
-            cmd,
-            env=child_env(srun_env(rank, port)),
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(4)
-    ]
-    outputs = [proc.communicate(timeout=900)[0] for proc in procs]
-    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"task {rank} failed:\n{out[-6000:]}"
+    run_srun_tasks([sys.executable, str(SCRIPT), "slurm", str(tmp_path / "slurm"), "2"], nodes=2, tasks_per_node=2)
     for rank in range(4):
         facts = json.loads((tmp_path / "slurm" / f"slurm_rank{rank}.json").read_text())
         assert facts == {
