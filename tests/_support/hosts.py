@@ -81,6 +81,15 @@ class SimulatedHosts:
                 start_new_session=True,
             )
 
+    def cut(self, host: Host) -> None:
+        """Cut ``host`` off the link: its ``eth0`` down (packets to it and from it are lost; no reset reaches either
+        end, as when a cable is pulled or a switch port dies)."""
+        _ip("-n", host.namespace, "link", "set", INTERFACE, "down")
+
+    def pids(self, host: Host) -> list[int]:
+        """The processes running in ``host``'s network namespace."""
+        return namespace_pids(host.namespace)
+
     def link_stats(self) -> dict[str, dict[str, int]]:
         """Per host, what its ``eth0`` sent (``tx_packets``, ``tx_bytes``) and what its link qdiscs dropped."""
         stats = {}
@@ -133,12 +142,17 @@ def _impair(namespace: str, link: str) -> None:
         raise ValueError(f"unknown link {link!r}: 'netem' or 'bpf-loss'")
 
 
+def namespace_pids(namespace: str) -> list[int]:
+    """The processes running in network namespace ``namespace`` (``ip netns pids``)."""
+    proc = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=60)
+    return [int(pid) for pid in proc.stdout.split()]
+
+
 def _end_processes(namespace: str) -> None:
     """Kill what is left running in ``namespace`` (processes the test started there), by pid."""
-    proc = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=60)
-    for pid in proc.stdout.split():
+    for pid in namespace_pids(namespace):
         try:
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 

@@ -252,8 +252,6 @@ def test_zero1_reduces_gradients_once_per_window_and_not_in_between(results):
     for calls in boundary:
         assert len(_gradient_reductions(calls)) == 1, calls  # the whole (one-bucket) model, once per window
         assert calls.count("all_reduce:float64:4") == 1  # the window's item count
-        # started when the window's last micro-batch is recorded, so it runs beside that micro-batch's backward
-        assert calls.index("all_reduce:float64:4") < calls.index(_gradient_reductions(calls)[0])
 
 
 @pytest.mark.parametrize("name", ["zero2_scheduler", "zero3_scheduler"])
@@ -264,7 +262,6 @@ def test_zero2_and_zero3_reduce_every_micro_batch_by_design(results, name):
     assert all(len(_gradient_reductions(calls)) == 1 for calls in boundary + inside)
     assert all(calls.count("all_reduce:float64:4") == 1 for calls in boundary)
     assert all("all_reduce:float64:4" not in calls for calls in inside)
-    assert all(calls.index("all_reduce:float64:4") < calls.index(_gradient_reductions(calls)[0]) for calls in boundary)
 
 
 def test_sync_with_dataloader_false_accepts_full_windows(results):

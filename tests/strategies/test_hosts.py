@@ -2,12 +2,16 @@
 address in 198.18.0.0/15, /etc/hosts and node-local disk), one torchrun per host with 2 processes, rendezvous on the
 first host by name: they end with the weights of one host with 4 processes (zero3, zero2_offload), also over a link
 that loses 0.5 % of its packets; each rank runs under its own host's name; node-local checkpoints stay on each host's
-own disk. Skipped where the namespaces cannot be made (not root)."""
+own disk. A host cut off the link mid-run (its eth0 down) ends the job on both hosts within a bounded time, each
+rank with a CollectiveTimeoutError naming the other host's ranks. Skipped where the namespaces cannot be made (not
+root)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _support.hosts import INTERFACE, SimulatedHosts, require_namespaces, simulated_hosts
+from _support.hosts import INTERFACE, Host, SimulatedHosts, require_namespaces, simulated_hosts
 from _support.launch import NATIVE_ABORT, REPO_ROOT, child_env, free_port, run_torchrun
 from lightspeed.core.reliability.node_local import check_parts, require_part
 
@@ -39,26 +43,32 @@ class HostsRun:
         return [json.loads((self.shared / f"{tag}_rank{rank}.json").read_text()) for rank in range(4)]
 
 
+def start_on_hosts(sim: SimulatedHosts, args: list[str], port: int, log: str) -> list[subprocess.Popen[bytes]]:
+    """`torchrun --nnodes 2 --node-rank N --nproc-per-node 2 --master-addr host-a ... multinode.py ARGS` on each host,
+    its output in ``<log>_<host>.log`` beside the shared directory."""
+    procs = []
+    for node, host in enumerate(sim.hosts):
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+            "--nproc-per-node", "2", "--master-addr", sim.hosts[0].name, "--master-port", str(port), str(SCRIPT), *args,
+        ]  # fmt: skip
+        procs.append(sim.popen(host, argv, child_env(), sim.local.parent / f"{log}_{host.name}.log"))
+    return procs
+
+
 def launch_on_hosts(sim: SimulatedHosts, shared: Path, runs: str, tag: str) -> None:
-    """`torchrun --nnodes 2 --node-rank N --nproc-per-node 2 --master-addr host-a ...` on each host (a second time
-    after a rank aborted in native code, as run_launch does)."""
+    """:func:`start_on_hosts` with ``hosts SHARED 2 RUNS TAG`` and wait for both (a second time after a rank aborted
+    in native code, as run_launch does)."""
     for attempt in range(2):
         port = free_port()  # any port: nothing else listens in a fresh namespace
-        procs = []
-        for node, host in enumerate(sim.hosts):
-            argv = [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                "--nproc-per-node", "2", "--master-addr", sim.hosts[0].name, "--master-port", str(port),
-                str(SCRIPT), "hosts", str(shared), "2", runs, tag,
-            ]  # fmt: skip
-            procs.append(sim.popen(host, argv, child_env(), shared.parent / f"{tag}_{host.name}_{attempt}.log"))
+        procs = start_on_hosts(sim, ["hosts", str(shared), "2", runs, tag], port, f"{tag}_{attempt}")
         try:
             for proc in procs:
                 proc.wait(timeout=300)
         finally:
             for proc in procs:
                 proc.kill()  # only after a timeout: a torchrun still running (its ranks end with the namespaces)
-        outputs = [(shared.parent / f"{tag}_{host.name}_{attempt}.log").read_text() for host in sim.hosts]
+        outputs = [(sim.local.parent / f"{tag}_{attempt}_{host.name}.log").read_text() for host in sim.hosts]
         ends = zip(sim.hosts, procs, outputs, strict=True)
         failed = [(host.name, out) for host, proc, out in ends if proc.returncode]
         if not failed:
@@ -162,3 +172,89 @@ def test_zero3_over_a_lossy_link_ends_with_the_weights_of_one_host(
     result = run_on_hosts(tmp_path_factory.mktemp(f"link_{link}"), "zero3", link, link=link)
     assert_same_weights(result.weights(link)["zero3"], one_host["zero3"], f"zero3 over the {link} link")
     assert sum(stats["dropped"] for stats in result.link.values()) > 0, f"the link lost no packet: {result.link}"
+
+
+#: the cut test: zero2 with `timeout=` CUT_TIMEOUT seconds (heartbeat every CUT_TIMEOUT / 10 s); after step CUT_STEP
+#: every rank sleeps CUT_SLEEP seconds, during which the test takes host-b's eth0 down
+CUT_TIMEOUT, CUT_STEP, CUT_SLEEP = 10, 5, 4
+#: seconds from the cut until both torchruns must have ended: the sleep, then the next step's collective fails after
+#: 2 x timeout (measured: zero2's first error comes two timeouts after the ranks wake), the hang report reads the
+#: heartbeats 2 intervals apart (host-a) or gives up on the store after its deadline, min(timeout, 20 s) (host-b,
+#: cut off from host-a's store), and 15 s for the exceptions, the exit hooks and torchrun to end the processes: 51 s
+CUT_BOUND = CUT_SLEEP + 2 * CUT_TIMEOUT + 2 * (CUT_TIMEOUT / 10) + min(CUT_TIMEOUT, 20) + 15
+
+
+def stacks(sim: SimulatedHosts, host: Host) -> str:
+    """Every Python stack still running on ``host`` (py-spy, where installed): why it did not end."""
+    py_spy = Path(sys.executable).with_name("py-spy")
+    dumps = []
+    for pid in sim.pids(host):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError:
+            continue  # ended meanwhile
+        dump = ""
+        if py_spy.exists() and "python" in cmdline:
+            argv = [str(py_spy), "dump", "--pid", str(pid)]
+            dump = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
+        dumps.append(f"pid {pid}: {cmdline}\n{dump}")
+    return "\n".join(dumps)
+
+
+def test_a_host_cut_off_the_link_ends_the_job_on_both_hosts_naming_the_other_hosts_ranks(tmp_path: Path) -> None:
+    """zero2 on 2 hosts x 2 processes; host-b's eth0 goes down between two steps (no reset reaches either side).
+    Both torchruns end, non-zero, within CUT_BOUND: host-a's ranks raise CollectiveTimeoutError naming ranks 2, 3
+    (their heartbeats stopped); host-b's ranks, whose reads of the job's store on host-a would block until TCP gives
+    up (many minutes), name ranks 0, 1 and the store that did not answer. No process is left on either host."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    port = free_port()
+    args = ["cut", str(shared), "2", str(CUT_STEP), str(CUT_TIMEOUT), str(CUT_SLEEP)]
+    with simulated_hosts(tmp_path) as sim:
+        host_b = sim.hosts[1]
+        procs = dict(zip(sim.hosts, start_on_hosts(sim, args, port, "cut"), strict=True))
+        logs = {host: tmp_path / f"cut_{host.name}.log" for host in sim.hosts}
+        ended: dict[str, float] = {}
+        try:
+            start = time.monotonic()
+            while not (shared / "cut_now").exists():
+                if any(proc.poll() is not None for proc in procs.values()) or time.monotonic() - start > 180:
+                    outputs = "\n".join(f"{h.name}:\n{log.read_text()[-4000:]}" for h, log in logs.items())
+                    raise AssertionError(f"the ranks never reached step {CUT_STEP}:\n{outputs}")
+                time.sleep(0.1)
+            sim.cut(host_b)
+            cut = time.monotonic()
+            while len(ended) < 2 and time.monotonic() - cut < CUT_BOUND:
+                for host, proc in procs.items():
+                    if host.name not in ended and proc.poll() is not None:
+                        ended[host.name] = time.monotonic() - cut
+                time.sleep(0.2)
+            hung = [host for host in sim.hosts if host.name not in ended]
+            assert not hung, "\n".join(
+                f"{host.name} still running {CUT_BOUND:g}s after the cut:\n{stacks(sim, host)}\n"
+                f"{logs[host].read_text()[-4000:]}"
+                for host in hung
+            )
+            while any(sim.pids(host) for host in sim.hosts) and time.monotonic() - cut < CUT_BOUND + 5:
+                time.sleep(0.2)  # a torchrun that ended has ended its ranks: give the kernel a moment to reap them
+            left = {host.name: sim.pids(host) for host in sim.hosts}
+        finally:
+            for proc in procs.values():
+                proc.kill()  # only after a failure: a torchrun still running (its ranks end with the namespaces)
+    outputs = {host.name: log.read_text()[-6000:] for host, log in logs.items()}
+    assert left == {"host-a": [], "host-b": []}, f"processes left after both torchruns ended: {left}"
+    for host, proc in procs.items():
+        assert proc.returncode != 0, f"{host.name} ended with 0 after the cut:\n{outputs[host.name]}"
+    errors = {}
+    for rank in range(4):
+        path = shared / f"cut_rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no error:\n{outputs['host-a' if rank < 2 else 'host-b']}"
+        errors[rank] = json.loads(path.read_text())
+    store = f"store at host-a:{port}"
+    for rank, error in errors.items():
+        others, on_b = ("0, 1", True) if rank >= 2 else ("2, 3", False)
+        assert error["type"] == "CollectiveTimeoutError", f"rank {rank}: {error}"
+        assert f"ranks {others} did not arrive" in error["message"], f"rank {rank}: {error['message']}"
+        said = store in error["message"] and "did not answer" in error["message"]
+        assert said == on_b, f"rank {rank} {'does not say' if on_b else 'says'} its {store} did not answer: {error}"
+    assert max(ended.values()) <= CUT_BOUND, ended

@@ -151,7 +151,7 @@ class _Driver:
         if step.backward_done:
             raise RuntimeError(f"step.backward was already called for micro-batch {step.index}; call it once.")
         num_samples = count_samples(step._batch) if num_items is None else None
-        multiplier = self.accumulator.record(loss, num_items, num_samples, closes_window=step.sync_gradients)
+        multiplier = self.accumulator.record(loss, num_items, num_samples)
         weighted = loss * multiplier if multiplier != 1.0 else loss
         if self.zero is not None:
             # the engine must not divide by its accumulation count: the weights above are exact already

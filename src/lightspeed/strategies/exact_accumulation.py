@@ -41,13 +41,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightspeed.core.accumulation.exact import (
-    AllReduceStart,
-    ExactAccumulator,
-    distributed_sum,
-    distributed_sum_started,
-    scale_gradients,
-)
+from lightspeed.core.accumulation.exact import ExactAccumulator, distributed_sum, scale_gradients
 from lightspeed.core.common.batch import count_samples
 from lightspeed.core.zero.accumulation import scale_deepspeed_gradients_at_step, set_deepspeed_boundary
 from lightspeed.strategies.mixin_bases import DeepSpeedStrategyBase, StrategyBase
@@ -99,7 +93,6 @@ class ExactAccumulationMixin(StrategyBase):
                 all_reduce_sum=self._exact_all_reduce_sum,
                 gradients_averaged=self._exact_gradients_averaged,
                 device=self.root_device,
-                all_reduce_start=self._exact_all_reduce_start(),
             )
         return self._exact
 
@@ -113,11 +106,6 @@ class ExactAccumulationMixin(StrategyBase):
     def _exact_all_reduce_sum(self, tensor: Tensor) -> Tensor:
         """Sum a small tensor over all ranks, in place; once per window."""
         return distributed_sum(tensor)
-
-    def _exact_all_reduce_start(self) -> AllReduceStart | None:
-        """How to start the window's count sum when its last micro-batch is recorded, without waiting for it (None:
-        summed by :meth:`_exact_all_reduce_sum` when the window ends)."""
-        return distributed_sum_started
 
     def _exact_scale_gradients(self, optimizer: Optimizer, factor: float) -> None:
         """Multiply the accumulated, synced gradients by ``factor``."""
@@ -142,8 +130,7 @@ class ExactAccumulationMixin(StrategyBase):
         trainer = self._exact_trainer()
         accumulate = trainer.accumulate_grad_batches
         accumulator = self.exact_accumulator
-        position = trainer.fit_loop.epoch_loop.batch_idx % accumulate
-        if position == 0:
+        if trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0:
             accumulator.start_window()  # the same rule Lightning uses to zero gradients
         self._exact_multiplier = 1.0
         if isinstance(output, Mapping):
@@ -154,14 +141,9 @@ class ExactAccumulationMixin(StrategyBase):
             return  # skipped step; Lightning reports a dict without "loss" itself
         num_samples = count_samples(batch) if num_items is None else None
         micro_batch = self._exact_micro_batch_size()
-        window_length = self._exact_window_length(trainer)
+        window_items = self._exact_window_length(trainer) * micro_batch if micro_batch else None
         self._exact_multiplier = accumulator.record(
-            loss,
-            num_items,
-            num_samples,
-            normalized_by=accumulate,
-            window_items=window_length * micro_batch if micro_batch else None,
-            closes_window=position == window_length - 1,
+            loss, num_items, num_samples, normalized_by=accumulate, window_items=window_items
         )
 
     @staticmethod

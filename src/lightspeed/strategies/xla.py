@@ -316,9 +316,6 @@ class XLAExactStrategy(_LightspeedXLAStrategyMixin, ResumableDataMixin, ExactAcc
 
         return xm.all_reduce(xm.REDUCE_SUM, tensor)
 
-    def _exact_all_reduce_start(self) -> None:
-        return None  # XLA's all-reduce is traced into the step's graph: nothing to start early
-
 
 class SingleDeviceXLAExactStrategy(
     _LightspeedXLAStrategyMixin, ResumableDataMixin, ExactAccumulationMixin, SingleDeviceXLAStrategy

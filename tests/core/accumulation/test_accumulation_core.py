@@ -175,36 +175,6 @@ def test_the_window_factor_averages_back_over_ranks_and_counts_once():
     assert summing.window_factor() == pytest.approx(1 / 8)
 
 
-def test_the_count_sum_starts_when_the_window_s_last_micro_batch_is_recorded():
-    events = []
-
-    def start(tensor):  # two ranks that saw the same counts; the sum is waited for only when the window ends
-        events.append(("started", float(tensor[2])))
-        return lambda: events.append(("waited", None)) or tensor * 2
-
-    def blocking_sum(tensor):
-        raise AssertionError("the window's counts were summed twice")
-
-    accumulator = ExactAccumulator(world_size=2, all_reduce_sum=blocking_sum, all_reduce_start=start)
-    accumulator.record(torch.tensor(1.0), num_items=3)
-    assert events == []
-    accumulator.record(torch.tensor(1.0), num_items=5, closes_window=True)
-    assert events == [("started", 2.0)]  # both micro-batches' counts, before the last backward runs
-    with pytest.raises(RuntimeError, match="recorded after the one that closed its accumulation window"):
-        accumulator.record(torch.tensor(1.0), num_items=1)
-    assert accumulator.window_factor() == pytest.approx(2 / 16)
-    assert events == [("started", 2.0), ("waited", None)]
-    # a window that closed without its step: the next window waits for the sum the ranks started, then starts afresh
-    accumulator.record(torch.tensor(1.0), num_items=4, closes_window=True)
-    accumulator.start_window()
-    assert events[-2:] == [("started", 1.0), ("waited", None)]
-    # without a way to start it early (a custom sum alone), the sum runs when the window ends
-    plain = ExactAccumulator(world_size=2, all_reduce_sum=lambda t: t * 2)
-    assert plain.all_reduce_start is None
-    plain.record(torch.tensor(1.0), num_items=4, closes_window=True)
-    assert plain.window_factor() == pytest.approx(1 / 4)
-
-
 def test_a_new_window_forgets_the_previous_counts():
     accumulator = ExactAccumulator()
     accumulator.record(torch.tensor(1.0), num_items=3)

@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from lightspeed.core.errors import CollectiveTimeoutError
 from lightspeed.core.reliability.hang_report import (
     Heartbeat,
+    StoreUnreachable,
     collective_name,
     describe_missing_ranks,
     heartbeat_interval,
@@ -186,6 +188,62 @@ def test_a_stopped_heartbeat_marks_its_rank_as_gone_until_it_starts_again() -> N
     assert ranks_that_left(store, 3, 0) == {2: "step 7"}
     for beat in beats[:2]:
         beat.stop()
+
+
+class _CutStore:
+    """The store of a host whose link to node 0's host is down: every read blocks (until the test ends)."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        self.released.wait(30)
+        return False
+
+
+def test_reads_of_a_store_that_does_not_answer_give_up_at_their_deadline() -> None:
+    store = _CutStore()
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreUnreachable, match="the job's store did not answer for 0.3s"):
+            describe_missing_ranks(store, 4, 2, 0.1, read_deadline=0.3)
+        with pytest.raises(StoreUnreachable):
+            ranks_that_left(store, 4, 2, wait=1.0, read_deadline=0.3)
+        assert time.monotonic() - started < 3
+    finally:
+        store.released.set()
+
+
+def test_a_timeout_on_a_host_cut_off_from_the_store_names_the_other_hosts_ranks(monkeypatch) -> None:
+    from lightspeed.core.reliability import process_group
+
+    store = _CutStore()
+    state = {"store": store, "rank": 2, "world_size": 4, "timeout": timedelta(seconds=1), "interval": 0.1}
+    state.update(same_host=range(2, 4), store_address="host-a:29500")
+    monkeypatch.setattr(process_group, "_monitor", state)
+    try:
+        error = process_group.explain_timeout(RuntimeError("[gloo] Timed out waiting 1000ms for recv operation"))
+    finally:
+        store.released.set()
+    assert isinstance(error, CollectiveTimeoutError)
+    assert str(error).startswith(
+        "Rank 2 waited 1s (the strategy's `timeout=`) in a collective: ranks 0, 1 did not arrive (the job's store at "
+        "host-a:29500 (node 0's host) did not answer for 1s: this host lost its connection to ranks 0, 1 on the "
+        "other host(s) (a network fault, or their host went away))."
+    )
+    assert state["store_lost"]
+
+    waits: list[float] = []
+
+    class _Heartbeat:
+        def stop(self, wait: float) -> None:
+            waits.append(wait)
+
+    monkeypatch.setattr(process_group, "_owned", True)
+    monkeypatch.setattr(process_group, "_heartbeat", _Heartbeat())
+    monkeypatch.setattr(process_group, "group_is_initialized", lambda: False)
+    process_group.destroy_owned_group()
+    assert waits == [0]  # its thread waits on the store client a stuck read holds: not joined
 
 
 def test_a_collective_ended_by_a_rank_that_left_is_told_apart_and_named() -> None:

@@ -14,6 +14,10 @@ usage: multinode.py MODE SHARED NUM_NODES [RUNS TAG]
              or ``zero3_node_local``: 1 epoch with node-local checkpoints in ./ckpt, resumed to 2 epochs. Rank 0
              writes SHARED/weights_<TAG>.pt, every rank SHARED/<TAG>_rank<R>.json (its hostname, its host's address,
              the rendezvous address, its place).
+  cut      - one torchrun per simulated host: zero2 with ``timeout=TIMEOUT`` seconds (default 10) for up to 60 steps;
+             after step STEP (default 5) rank 0 writes SHARED/cut_now and every rank sleeps SLEEP seconds (default 4),
+             so that the test cuts the link between two steps, not inside a collective. A rank whose fit raises writes
+             SHARED/cut_rank<R>.json (the exception's type and message) before raising it again.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import json
 import os
 import socket
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -164,6 +170,33 @@ def hosts(shared: Path, num_nodes: int, runs: str = "zero3", tag: str = "hosts")
     (shared / f"{tag}_rank{run.global_rank}.json").write_text(json.dumps(facts))
 
 
+class _CutPause(L.Callback):
+    """After step ``step``: rank 0 writes SHARED/cut_now (the test cuts the link when it appears), every rank sleeps."""
+
+    def __init__(self, shared: Path, step: int, sleep: float) -> None:
+        self.shared, self.step, self.sleep = shared, step, sleep
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            if trainer.global_rank == 0:
+                (self.shared / "cut_now").write_text(str(time.time()))
+            time.sleep(self.sleep)
+
+
+def cut(shared: Path, num_nodes: int, step: str = "5", timeout: str = "10", sleep: str = "4") -> None:
+    strategy = ZeroStrategy(stage=2, timeout=timedelta(seconds=float(timeout)))
+    L.seed_everything(0, verbose=False)
+    run = trainer(strategy, num_nodes, DEVICES, 100, enable_checkpointing=False, max_steps=60)
+    run.callbacks.append(_CutPause(shared, int(step), float(sleep)))
+    try:
+        run.fit(RegressionModule(), DataLoader(make_regression_data(n=2048), batch_size=4))
+    except BaseException as err:
+        rank = os.environ.get("RANK", "?")
+        outcome = {"type": type(err).__name__, "message": str(err), "time": time.time()}
+        (shared / f"cut_rank{rank}.json").write_text(json.dumps(outcome))
+        raise
+
+
 if __name__ == "__main__":
     mode, shared, nodes = sys.argv[1], Path(sys.argv[2]).resolve(), int(sys.argv[3])
     shared.mkdir(parents=True, exist_ok=True)
@@ -174,5 +207,6 @@ if __name__ == "__main__":
         "slurm": slurm,
         "mismatch": mismatch,
         "hosts": hosts,
+        "cut": cut,
     }
     modes[mode](shared, nodes, *sys.argv[4:])

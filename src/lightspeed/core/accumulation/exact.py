@@ -71,15 +71,12 @@ __all__ = [
     "ExactAccumulator",
     "check_scalar_loss",
     "distributed_sum",
-    "distributed_sum_started",
     "scale_gradients",
     "scale_tensors",
     "skip_gradient_sync",
 ]
 
 AllReduceSum = Callable[[Tensor], Tensor]
-#: starts summing a tensor over ranks in place; returns the function that waits for it and returns the tensor
-AllReduceStart = Callable[[Tensor], Callable[[], Tensor]]
 
 
 def distributed_sum(tensor: Tensor) -> Tensor:
@@ -87,20 +84,6 @@ def distributed_sum(tensor: Tensor) -> Tensor:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
     return tensor
-
-
-def distributed_sum_started(tensor: Tensor) -> Callable[[], Tensor]:
-    """Start summing ``tensor`` in place over the default ``torch.distributed`` group without waiting; returns the
-    function that waits for the sum and returns ``tensor`` (at once when not distributed)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return lambda: tensor
-    work = torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, async_op=True)
-
-    def wait() -> Tensor:
-        work.wait()
-        return tensor
-
-    return wait
 
 
 def check_scalar_loss(loss: Any) -> Tensor:
@@ -157,11 +140,7 @@ class ExactAccumulator:
     Args:
         world_size: number of ranks whose gradients the backend's sync combines.
         all_reduce_sum: sums a small tensor over ranks in place and returns it; defaults to
-            :func:`distributed_sum`. Called once per window when ``world_size > 1``, unless the window's last
-            micro-batch was recorded with ``closes_window=True`` and ``all_reduce_start`` started the sum then.
-        all_reduce_start: starts that sum without waiting (:data:`AllReduceStart`); defaults to
-            :func:`distributed_sum_started` when ``all_reduce_sum`` is left to its default too, else None (never
-            started early). The sum then runs while the last micro-batch computes, and :meth:`window_factor` waits.
+            :func:`distributed_sum`. Called once per window when ``world_size > 1``.
         gradients_averaged: the backend's sync averages gradients over ranks (DDP, DeepSpeed) rather than summing.
         device: device of the count tensor before the first loss is seen (later: the first loss's device).
     """
@@ -172,14 +151,11 @@ class ExactAccumulator:
         all_reduce_sum: AllReduceSum | None = None,
         gradients_averaged: bool = True,
         device: torch.device | str | None = None,
-        all_reduce_start: AllReduceStart | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}.")
         self.world_size = world_size
         self.all_reduce_sum = all_reduce_sum or distributed_sum
-        self.all_reduce_start = all_reduce_start or (distributed_sum_started if all_reduce_sum is None else None)
-        self._reduced: Callable[[], Tensor] | None = None  # waits for the counts summed since the window's last record
         self.gradients_averaged = gradients_averaged
         self._device = torch.device(device) if device is not None else None
         #: [items, micro-batches that gave num_items, micro-batches, the window's expected items], float64
@@ -189,9 +165,6 @@ class ExactAccumulator:
 
     def start_window(self) -> None:
         """Forget the current window's counts (call where gradients are zeroed)."""
-        if self._reduced is not None:  # a window that ended without its step: its sum runs on every rank, let it end
-            reduced, self._reduced = self._reduced, None
-            reduced()
         self._counts = None
         self._expected = None
         self.micro_batches = 0
@@ -208,7 +181,6 @@ class ExactAccumulator:
         num_samples: int | None = None,
         normalized_by: int = 1,
         window_items: float | None = None,
-        closes_window: bool = False,
     ) -> float:
         """Note one micro-batch and return the multiplier for its loss before backward.
 
@@ -222,15 +194,8 @@ class ExactAccumulator:
                 of equal micro-batches needs no gradient factor at all (:meth:`window_factor` returns exactly 1):
                 the gradients are right as soon as backward ends, where hooks read them, and nothing rescales them.
                 Ignored for micro-batches with ``num_items``.
-            closes_window: this is the window's last micro-batch (the same on every rank): the sum of the window's
-                counts over ranks starts now, beside the micro-batch's forward and backward, instead of after them.
         """
         check_scalar_loss(loss)
-        if self._reduced is not None:
-            raise RuntimeError(
-                "A micro-batch was recorded after the one that closed its accumulation window (closes_window=True); "
-                "take the window's factor (window_factor) or start a new window first."
-            )
         counts = self._counter(loss.device)
         if num_items is None and window_items is not None:
             if self._expected is None:
@@ -266,21 +231,16 @@ class ExactAccumulator:
             counts[0] += weight
         counts[2] += 1
         self.micro_batches += 1
-        if closes_window and self.world_size > 1 and self.all_reduce_start is not None:
-            self._reduced = self.all_reduce_start(counts.clone())
         if num_items is None and self._expected:
             return float(normalized_by) * weight / self._expected
         return float(normalized_by) * weight
 
     def window_factor(self) -> float:
         """All-reduce the window's counts once, check them, start a new window and return the gradient factor."""
-        reduced, self._reduced = self._reduced, None
         counts = self._counter(None).clone()
         expected = self._expected
         self.start_window()
-        if reduced is not None:
-            counts = reduced()
-        elif self.world_size > 1:
+        if self.world_size > 1:
             counts = self.all_reduce_sum(counts)
         total_items, item_batches, total_batches, expected_sum = (float(value) for value in counts.tolist())
         if total_batches == 0:

@@ -14,6 +14,12 @@ neither. A stopping heartbeat's last write marks its rank as gone, with its posi
 connections, so the rank left behind reads at once who left (:func:`ranks_that_left`), without the two-read wait:
 torchrun stops the remaining workers (SIGTERM) right after one fails. :func:`is_peer_lost` tells that error apart and
 :func:`peer_lost_message` names the collective and the rank that left.
+
+The store lives on node 0's host. On a host whose connection to it is cut (its link down, the other host gone without
+closing its sockets), a store operation blocks in the kernel until TCP gives up, many minutes later: torch's
+``TCPStore`` bounds its waits, not its reads. Every read here therefore runs with a deadline
+(:func:`within_deadline`); past it :class:`StoreUnreachable` says the store did not answer, and the report names the
+other hosts' ranks instead of hanging.
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "Heartbeat",
+    "StoreUnreachable",
     "collective_name",
     "heartbeat_interval",
     "describe_missing_ranks",
@@ -36,8 +43,11 @@ __all__ = [
     "peer_lost_message",
     "ranks_that_left",
     "timeout_message",
+    "unreachable_store_note",
+    "within_deadline",
 ]
 
+_T = TypeVar("_T")
 _KEY = "lightspeed/heartbeat/"
 #: written once by a stopping heartbeat: this rank's process is ending (the value is its last position)
 _LEFT_KEY = "lightspeed/left/"
@@ -105,6 +115,46 @@ class Heartbeat:
                 return
 
 
+class StoreUnreachable(Exception):
+    """The job's store did not answer within the deadline: this host lost its connection to node 0's host."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the job's store did not answer for {seconds:g}s")
+        self.seconds = seconds
+
+
+def within_deadline(call: Callable[[], _T], seconds: float) -> _T:
+    """``call()`` (store operations) run in a daemon thread and given ``seconds``; :class:`StoreUnreachable` when it
+    has not returned by then (the thread is left to the kernel's TCP timeout; the caller is on its way to an error
+    exit)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the calling thread
+            box["error"] = error
+
+    thread = threading.Thread(target=run, name="lightspeed-store-read", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise StoreUnreachable(seconds)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def unreachable_store_note(address: str, seconds: float, others: list[int]) -> str:
+    """The description of the other ranks when the store did not answer (``others``: the ranks on other hosts, empty
+    when unknown)."""
+    who = f"ranks {', '.join(map(str, others))} on the other host(s)" if others else "the other hosts' ranks"
+    return (
+        f"the job's store at {address or 'node 0'} (node 0's host) did not answer for {seconds:g}s: this host lost its "
+        f"connection to {who} (a network fault, or their host went away)"
+    )
+
+
 def _read(store: Any, world_size: int) -> dict[int, tuple[int, str] | None]:
     found: dict[int, tuple[int, str] | None] = {}
     for rank in range(world_size):
@@ -120,22 +170,33 @@ def _read(store: Any, world_size: int) -> dict[int, tuple[int, str] | None]:
     return found
 
 
+def _left_marks(store: Any, world_size: int, rank: int) -> dict[int, str]:
+    left: dict[int, str] = {}
+    for other in range(world_size):
+        key = f"{_LEFT_KEY}{other}"
+        try:
+            if other != rank and store.check([key]):
+                left[other] = store.get(key).decode()
+        except Exception:  # noqa: BLE001 - a store that failed (its host left) names nobody more
+            return left
+    return left
+
+
 def ranks_that_left(
-    store: Any, world_size: int, rank: int, wait: float = 0.0, sleep: Callable[[float], None] = time.sleep
+    store: Any,
+    world_size: int,
+    rank: int,
+    wait: float = 0.0,
+    sleep: Callable[[float], None] = time.sleep,
+    read_deadline: float = 20.0,
 ) -> dict[int, str]:
     """The other ranks whose heartbeat stopped because their process was ending, with the position each had; polls
     for up to ``wait`` seconds until one is marked (a rank whose own timeout closed the connection marks itself a
-    moment later, while it reports its own error)."""
+    moment later, while it reports its own error). :class:`StoreUnreachable` when a pass over the store takes longer
+    than ``read_deadline`` seconds."""
     deadline = time.monotonic() + wait
     while True:
-        left: dict[int, str] = {}
-        for other in range(world_size):
-            key = f"{_LEFT_KEY}{other}"
-            try:
-                if other != rank and store.check([key]):
-                    left[other] = store.get(key).decode()
-            except Exception:  # noqa: BLE001 - an unreachable store (its host left) names nobody
-                return left
+        left = within_deadline(lambda: _left_marks(store, world_size, rank), read_deadline)
         if left or time.monotonic() >= deadline:
             return left
         sleep(0.1)
@@ -148,11 +209,13 @@ def describe_missing_ranks(
     interval: float,
     own_position: str = "",
     sleep: Callable[[float], None] = time.sleep,
+    read_deadline: float = 20.0,
 ) -> tuple[list[int], str]:
-    """Return (ranks that are not running, one-line description of every other rank's state)."""
-    first = _read(store, world_size)
+    """Return (ranks that are not running, one-line description of every other rank's state);
+    :class:`StoreUnreachable` when a read of the heartbeats takes longer than ``read_deadline`` seconds."""
+    first = within_deadline(lambda: _read(store, world_size), read_deadline)
     sleep(2 * interval + 0.1)
-    second = _read(store, world_size)
+    second = within_deadline(lambda: _read(store, world_size), read_deadline)
     stopped: list[int] = []
     notes: list[str] = []
     for other in range(world_size):

@@ -102,7 +102,8 @@ def destroy_owned_group() -> None:
         return
     _owned = False
     if _heartbeat is not None:
-        _heartbeat.stop(wait=HEARTBEAT_STORE_TIMEOUT.total_seconds() + 1)
+        # a host cut off from the store: its heartbeat thread waits on the store client, which a stuck read holds
+        _heartbeat.stop(wait=0 if _monitor.get("store_lost") else HEARTBEAT_STORE_TIMEOUT.total_seconds() + 1)
         _heartbeat = None
     _monitor.clear()
     if not group_is_initialized():
@@ -184,8 +185,21 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: timede
         _monitor.update(
             store=dist.PrefixStore(prefix, client), rank=rank, world_size=world_size, timeout=timeout, interval=interval
         )
+        _monitor["same_host"] = _ranks_on_this_host(rank)
+        _monitor["store_address"] = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         _heartbeat = hang_report.Heartbeat(_monitor["store"], rank, interval, _position_text).start()
     log.debug("lightspeed created the default process group (store prefix %s)", prefix)
+
+
+def _ranks_on_this_host(rank: int) -> range | None:
+    """The global ranks this host runs, from the launcher's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (torchrun, SLURM
+    through Lightning: consecutive per host); None when the launcher does not say."""
+    try:
+        local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    first = rank - local_rank
+    return range(first, first + local_world)
 
 
 _heartbeat: hang_report.Heartbeat | None = None
@@ -245,15 +259,26 @@ def explain_timeout(error: BaseException) -> CollectiveTimeoutError | None:
         return None
     store, world_size, rank, interval = (_monitor[key] for key in ("store", "world_size", "rank", "interval"))
     collective = hang_report.collective_name(error.__traceback__)
+    read_deadline = min(_monitor["timeout"], HEARTBEAT_STORE_TIMEOUT).total_seconds()
     if hang_report.is_peer_lost(error):  # first: the other rank's timeout says 'timeout' too
         try:
-            left = hang_report.ranks_that_left(store, world_size, rank, wait=2 * interval + 1)
+            left = hang_report.ranks_that_left(store, world_size, rank, 2 * interval + 1, read_deadline=read_deadline)
+        except hang_report.StoreUnreachable:
+            _monitor["store_lost"] = True
+            left = {}
         except Exception:  # noqa: BLE001 - see the docstring
             left = {}
         return RankLostError(hang_report.peer_lost_message(rank, left, collective, error))
     if hang_report.is_collective_timeout(error):
         try:
-            stopped, notes = hang_report.describe_missing_ranks(store, world_size, rank, interval, _position_text())
+            stopped, notes = hang_report.describe_missing_ranks(
+                store, world_size, rank, interval, _position_text(), read_deadline=read_deadline
+            )
+        except hang_report.StoreUnreachable as unreachable:
+            _monitor["store_lost"] = True
+            same_host = _monitor.get("same_host")
+            stopped = [other for other in range(world_size) if other not in same_host] if same_host else []
+            notes = hang_report.unreachable_store_note(_monitor["store_address"], unreachable.seconds, stopped)
         except Exception as interrupted:  # noqa: BLE001 - see the docstring
             stopped, notes = [], f"the other ranks' heartbeats could not be read: {interrupted}"
         return CollectiveTimeoutError(
