@@ -28,7 +28,9 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_an_encoder_that_copies_its_layer_under_init_module_trains_like_one_process(
     result: dict[str, Any], name: str
 ) -> None:
-    ms.assert_close(result[name], ms.encoder_reference(), f"{name}, fabric.init_module()")
+    ms.assert_close(
+        result[name], ms.encoder_reference(), f"{name}, fabric.init_module()", ms.EncoderRegressor(), "head.weight"
+    )
 
 
 def test_initialisations_of_built_layers_apply_to_the_whole_parameters(result: dict[str, Any]) -> None:
@@ -41,4 +43,4 @@ def test_initialisations_of_built_layers_apply_to_the_whole_parameters(result: d
 def test_a_layer_some_steps_skip_gets_no_stale_gradient(result: dict[str, Any], name: str) -> None:
     """Skipped in whole windows and in a window's first or last micro-batch: ZeRO-3 and ZeRO-2 with offload used to
     apply an older gradient (plain SGD, so one process leaves it exactly where a zero gradient does)."""
-    ms.assert_close(result[f"skipped_{name}"], ms.skip_reference(), name, moved="skippable.weight")
+    ms.assert_close(result[f"skipped_{name}"], ms.skip_reference(), name, ms.SometimesSkipped(), "skippable.weight")

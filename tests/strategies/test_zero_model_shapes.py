@@ -24,7 +24,13 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_an_encoder_that_copies_its_layer_in_configure_model_trains_like_one_process(result: dict[str, Any]) -> None:
-    ms.assert_close(result["encoder_in_configure_model"], ms.encoder_reference(), "zero3, configure_model")
+    ms.assert_close(
+        result["encoder_in_configure_model"],
+        ms.encoder_reference(),
+        "zero3, configure_model",
+        ms.EncoderRegressor(),
+        "head.weight",
+    )
 
 
 def test_initialisations_of_built_layers_apply_to_the_whole_parameters(result: dict[str, Any]) -> None:
@@ -36,4 +42,4 @@ def test_a_layer_some_steps_skip_gets_no_stale_gradient(result: dict[str, Any], 
     """Skipped in whole windows and in a window's first micro-batch only: ZeRO-3 and ZeRO-2 with offload used to
     apply the gradient of its last window again (plain SGD, so one process leaves it exactly where a zero gradient
     does)."""
-    ms.assert_close(result[f"skipped_{name}"], ms.skip_reference(), name, moved="skippable.weight")
+    ms.assert_close(result[f"skipped_{name}"], ms.skip_reference(), name, ms.SometimesSkipped(), "skippable.weight")

@@ -168,8 +168,8 @@ def infer_models(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
     ``models=`` was given: each optimizer must train exactly the parameters of one child module (``self.generator``),
     a different one each; children no optimizer trains are added as frozen models. Raises a
     :class:`DeepSpeedConfigError` saying why otherwise (the caller adds how to name the models)."""
-    children = {name: child for name, child in module.named_children() if any(True for _ in child.parameters())}
-    owned = {name: {id(p) for p in child.parameters()} for name, child in children.items()}
+    owned = {name: {id(p) for p in child.parameters()} for name, child in module.named_children()}
+    owned = {name: ids for name, ids in owned.items() if ids}  # children with parameters, in attribute order
     trained: list[str] = []
     for index, optimizer in enumerate(optimizers):
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -188,7 +188,7 @@ def infer_models(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
             f"{type(module).__name__} has parameters of its own outside its child modules ({', '.join(loose[:3])}), "
             "so the models to give one engine each cannot be inferred"
         )
-    return trained + [name for name in children if name not in trained]
+    return trained + [name for name in owned if name not in trained]
 
 
 def route_forward(module: nn.Module, engine: Callable[..., Any]) -> Callable[[], None]:
