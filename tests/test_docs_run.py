@@ -183,6 +183,10 @@ dist.destroy_process_group()
         "import lightning as L\nimport lightspeed\nfrom transformers import AutoModelForCausalLM\n",
         "assert FineTune().configure_model is not None\n",
     ),
+    "lora_module": (
+        "import lightning as L\nimport torch\nimport lightspeed\nfrom transformers import AutoModelForCausalLM\n",
+        "assert trainer.strategy.exclude_frozen_parameters == 'auto'\n",
+    ),
     "load_pretrained": (
         """
 import torch

@@ -13,6 +13,7 @@ from lightspeed.cli import main as cli_main
 from lightspeed.core import errors as core_errors
 
 BUILT_IN = {
+    "AdapterTargetError": ValueError,
     "CheckpointError": ValueError,
     "ExportError": ValueError,
     "DeepSpeedConfigError": ValueError,

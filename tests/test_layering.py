@@ -51,6 +51,7 @@ CORE_LEVELS: dict[str, int] = {
     "gather": 1,
     "xla": 1,
     "reliability": 2,
+    "peft": 2,
     "checkpoint": 3,
     "zero": 4,
 }

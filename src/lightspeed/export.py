@@ -69,6 +69,7 @@ def export_checkpoint(
     hf_config: Any = None,
     progress: Progress | None = None,
     exclude_frozen: bool | None = None,
+    peft: str = "adapter",
 ) -> ExportResult:
     """Export the checkpoint ``ckpt`` to safetensors in ``out``: a DeepSpeed checkpoint directory (Lightning's
     ``<name>.ckpt/`` or DeepSpeed's save dir), or a single-file Lightning checkpoint (its ``state_dict``).
@@ -94,6 +95,9 @@ def export_checkpoint(
             it (its ``generation_config.json`` is copied too). Written inside the atomic output with the weights.
         progress: called with (bytes written, total bytes) after each tensor.
         exclude_frozen: deprecated name of ``exclude_frozen_parameters`` (works, with a ``FutureWarning``).
+        peft: a checkpoint of a model holding a PEFT model: ``"adapter"`` writes PEFT's layout
+            (``adapter_model.safetensors`` + ``adapter_config.json``, which ``PeftModel.from_pretrained`` loads),
+            ``"full"`` the whole ``state_dict``.
     """
     options = ExportOptions(
         dtype=dtype,
@@ -103,6 +107,7 @@ def export_checkpoint(
         strip_prefix=strip_prefix,
         overwrite=overwrite,
         hf_config=hf_config,
+        peft=peft,
     )
     return export_checkpoint_path(ckpt, out, options, progress)
 

@@ -68,6 +68,9 @@ class ZeroExport(Callback):
             ``save_pretrained``, nothing otherwise; a config object or a ``config.json`` path / directory: that one;
             False: never.
         exclude_frozen: deprecated name of ``exclude_frozen_parameters`` (works, with a ``FutureWarning``).
+        peft: for a model holding a PEFT model (``peft.get_peft_model``): ``"adapter"`` (default) writes PEFT's
+            layout, ``adapter_model.safetensors`` + ``adapter_config.json`` (the trained adapter only), which
+            ``PeftModel.from_pretrained(base, dirpath)`` loads; ``"full"`` the whole ``state_dict``.
 
     The export options are validated here (``self.options``), so a typo fails at construction, not after training.
     """
@@ -83,6 +86,7 @@ class ZeroExport(Callback):
         overwrite: bool = False,
         hf_config: Any = None,
         exclude_frozen: bool | None = None,
+        peft: str = "adapter",
     ) -> None:
         self.dirpath = Path(dirpath)
         self.options = ExportOptions(
@@ -92,6 +96,7 @@ class ZeroExport(Callback):
             strip_prefix=strip_prefix,
             overwrite=overwrite,
             hf_config=None if hf_config is False else hf_config,
+            peft=peft,
         )
         self._hf_config_from_model = hf_config is None  # found on the exported module at each export
         self.on_checkpoint = on_checkpoint

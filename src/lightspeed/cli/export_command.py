@@ -78,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a Hugging Face config.json, or the directory holding it (its generation_config.json too), copied "
         "beside the weights so that from_pretrained(OUT) loads the export",
     )
+    parser.add_argument(
+        "--peft",
+        choices=["adapter", "full"],
+        default="adapter",
+        help="a checkpoint of a PEFT model: its adapter in PEFT's layout (adapter_model.safetensors + "
+        "adapter_config.json, default) or the whole state_dict (full)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
 
@@ -94,6 +101,7 @@ def _options(args: argparse.Namespace) -> ExportOptions:
         strip_prefix=args.strip_prefix,
         overwrite=args.overwrite,
         hf_config=args.hf_config,
+        peft=args.peft,
     )
 
 

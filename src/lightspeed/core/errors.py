@@ -15,6 +15,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 __all__ = [
+    "AdapterTargetError",
     "CallSiteMismatchError",
     "CheckpointError",
     "CollectiveTimeoutError",
@@ -87,6 +88,10 @@ class IncompleteCheckpointError(CheckpointError, RuntimeError):
     """A checkpoint directory that was not completely written (an interrupted save) or changed after it was. A
     :class:`CheckpointError`, so one ``except`` serves every checkpoint that cannot be loaded; still the
     ``RuntimeError`` it always was."""
+
+
+class AdapterTargetError(LightspeedError, ValueError):
+    """A PEFT adapter names a target module the model does not have (peft would train fewer adapters silently)."""
 
 
 class ExportError(LightspeedError, ValueError):

@@ -122,7 +122,10 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
         timeout: how long a collective may wait for the other ranks before a ``CollectiveTimeoutError`` names the
             collective and the rank that stopped answering.
         logging_level: the level of DeepSpeed's logger.
-        exclude_frozen_parameters: leave frozen parameters out of checkpoints.
+        exclude_frozen_parameters: leave parameters with ``requires_grad=False`` out of checkpoints. ``"auto"``
+            (default): when the model holds a PEFT model (``peft.get_peft_model``), whose frozen base comes back from
+            the pretrained files; the save records a fingerprint of them, and resuming with other frozen weights is an
+            error.
         load_full_weights: ``fabric.load`` reads a single consolidated weights file under ZeRO-3.
         node_local_storage: for clusters whose nodes share no filesystem: each node writes its own ranks' shards (and
             the files every node needs) into its own local checkpoint directory (as the Trainer's).
@@ -166,7 +169,7 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         logging_level: int = logging.WARN,
-        exclude_frozen_parameters: bool = False,
+        exclude_frozen_parameters: bool | str = "auto",
         load_full_weights: bool = False,
         node_local_storage: bool = False,
         compile: bool = False,

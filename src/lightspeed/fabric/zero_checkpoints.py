@@ -146,5 +146,6 @@ class ZeroCheckpointsMixin(SeveralModelsMixin):
         )
         if engine is None or self._session.node_local_storage:
             return super().load_checkpoint(target, state, strict=strict, weights_only=weights_only)
+        strict = load_policy.deepspeed_strict(target, strict)  # checked above; frozen parameters left out pass
         with load_policy.checkpoint_to_load(engine, target, self.world_size, info=rank_zero_info) as load_path:
             return super().load_checkpoint(load_path, state, strict=strict, weights_only=weights_only)

@@ -104,7 +104,10 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         timeout: how long a collective may wait for the other ranks before a ``CollectiveTimeoutError`` names the
             collective and the rank that stopped answering.
         logging_level: the level of DeepSpeed's logger.
-        exclude_frozen_parameters: leave parameters with ``requires_grad=False`` out of checkpoints.
+        exclude_frozen_parameters: leave parameters with ``requires_grad=False`` out of checkpoints. ``"auto"``
+            (default): when the model holds a PEFT model (``peft.get_peft_model``), whose frozen base comes back from
+            the pretrained files; the save records a fingerprint of them, and resuming with other frozen weights is an
+            error.
         load_full_weights: ``ckpt_path=`` may be a consolidated single-file checkpoint (written without ZeRO): its
             weights go into the partitioned model and the optimizer's fp32 master copies; optimizer states start
             fresh.
@@ -167,7 +170,7 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         logging_level: int = logging.WARN,
-        exclude_frozen_parameters: bool = False,
+        exclude_frozen_parameters: bool | str = "auto",
         load_full_weights: bool = False,
         sync_with_dataloader: bool = True,
         node_local_storage: bool = False,

@@ -5,7 +5,8 @@ weights of any stage and world size loaded into the (partitioned) model itself, 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,7 +128,11 @@ class ZeroCheckpointsMixin(SeveralModelsMixin):
         if self.load_full_weights or self._session.node_local_storage:
             return super().load_checkpoint(checkpoint_path, weights_only)
         engine = self.deepspeed_engine
-        with load_policy.checkpoint_to_load(engine, path, self.world_size, info=rank_zero_info) as load_path:
+        strict = load_policy.deepspeed_strict(path, module.strict_loading)
+        with (
+            load_policy.checkpoint_to_load(engine, path, self.world_size, info=rank_zero_info) as load_path,
+            _strict_loading(module, strict),
+        ):
             return super().load_checkpoint(load_path, weights_only)
 
     def _load_models_checkpoint(self, path: Path, fitting: bool) -> dict[str, Any]:
@@ -145,3 +150,14 @@ class ZeroCheckpointsMixin(SeveralModelsMixin):
             rank=self.global_rank,
             warn=rank_zero_warn,
         )
+
+
+@contextmanager
+def _strict_loading(module: pl.LightningModule, strict: bool) -> Iterator[None]:
+    """``module.strict_loading`` set to ``strict`` while Lightning's ``DeepSpeedStrategy`` hands it to DeepSpeed."""
+    before = module.strict_loading
+    module.strict_loading = strict
+    try:
+        yield
+    finally:
+        module.strict_loading = before

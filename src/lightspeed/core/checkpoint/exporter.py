@@ -16,6 +16,7 @@ from lightspeed.core.checkpoint.safetensors_writer import Progress, write_shards
 from lightspeed.core.checkpoint.torch_zip import RegionReader
 from lightspeed.core.checkpoint.zero_reader import TensorSource, ZeroCheckpoint, assemble, read_zero_checkpoint
 from lightspeed.core.errors import CheckpointError, ExportError
+from lightspeed.core.peft.layout import ADAPTER_WEIGHTS, AdapterLayout
 from lightspeed.core.reliability.staging import check_output_dir, several_models_in, staged_output
 
 __all__ = ["ExportResult", "export_checkpoint_path", "export_lightning_file", "export_zero_checkpoint"]
@@ -85,6 +86,15 @@ def export_zero_checkpoint(
         "tag": checkpoint_info.files.tag,
         "deepspeed_version": checkpoint_info.ds_version,
     }
+    layouts = (
+        [AdapterLayout.from_state(state) for state in checkpoint_info.adapters] if options.peft == "adapter" else []
+    )
+    if layouts:  # PEFT's layout, as the run's live export writes it (the default adapter in output_dir itself)
+        results = [
+            _write_export(checkpoint_info, source, Path(output_dir) / layout.folder, options, progress, layout)
+            for layout in layouts
+        ]
+        return results[0]
     return _write_export(checkpoint_info, source, output_dir, options, progress)
 
 
@@ -162,8 +172,10 @@ def _write_export(
     output_dir: str | os.PathLike,
     options: ExportOptions,
     progress: Progress | None,
+    adapter: AdapterLayout | None = None,
 ) -> ExportResult:
-    """Choose the keys, then stream every chosen tensor from the checkpoint files into staged shards."""
+    """Choose the keys (an adapter's, where ``adapter`` is given), then stream every chosen tensor from the checkpoint
+    files into staged shards (the adapter's one file and its config)."""
     by_name = {source.name: source for source in checkpoint.tensors}
     kinds = {name: source.kind for name, source in by_name.items()}
     keys = [source.name for source in checkpoint.tensors] + list(checkpoint.aliases)
@@ -173,6 +185,7 @@ def _write_export(
         checkpoint.aliases,
         exclude_frozen_parameters=options.exclude_frozen_parameters,
         strip_prefix=options.strip_prefix,
+        rename=adapter.names if adapter is not None else None,
     )
     reader = RegionReader()
 
@@ -191,7 +204,11 @@ def _write_export(
     ]
     metadata = safetensors_metadata(aliases, options.torch_dtype, source_info)
     with reader, staged_output(output_dir, options.overwrite) as staging:
-        files = write_shards(staging, tensors, options.max_shard_bytes, metadata, progress)
-        if options.hf_files is not None:
-            files += options.hf_files.write(staging)
+        if adapter is not None:
+            files = write_shards(staging, tensors, None, metadata, progress, file_name=ADAPTER_WEIGHTS)
+            files += adapter.write_config(staging)
+        else:
+            files = write_shards(staging, tensors, options.max_shard_bytes, metadata, progress)
+            if options.hf_files is not None:
+                files += options.hf_files.write(staging)
     return ExportResult.of(output_dir, files, tensors, aliases, checkpoint.skipped)

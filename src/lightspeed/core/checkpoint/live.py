@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from lightspeed.core.checkpoint.plan import (
 from lightspeed.core.checkpoint.safetensors_writer import drain, write_shards
 from lightspeed.core.common.distributed import global_rank, is_distributed, raise_on_every_rank
 from lightspeed.core.errors import ExportError
+from lightspeed.core.peft.layout import ADAPTER_WEIGHTS, AdapterLayout, adapter_layouts
 from lightspeed.core.reliability.staging import check_output_dir_on_every_rank, staged_output
 
 __all__ = ["export_engine"]
@@ -90,9 +92,6 @@ def export_engine(
     """
     if options is None:
         options = ExportOptions()
-    rank = global_rank()
-    check_output_dir_on_every_rank(output_dir, options.overwrite)
-
     module = engine.module
     master = _has_fp32_master(engine)
     entries = module.state_dict(keep_vars=True)
@@ -122,37 +121,78 @@ def export_engine(
     aliases = {unwrap(a): unwrap(t) for a, t in aliases.items()}
     tensors_by_name = {unwrap(k): v for k, v in tensors_by_name.items()}
     skipped = [unwrap(k) for k in skipped]
-    stored, exported_aliases = select_keys(
-        keys,
-        kinds,
-        aliases,
-        exclude_frozen_parameters=options.exclude_frozen_parameters,
-        strip_prefix=options.strip_prefix,
-    )
-
-    def spec(name: str, owner: str) -> OutputTensor:
-        value = tensors_by_name[owner]
-        kind = kinds[owner]
-        shape = tuple(getattr(value, "ds_shape", value.shape))
-        produce: Callable[[], torch.Tensor]
-        if kind == "param" and master:
-            stored_dtype = torch.float32
-            produce = functools.partial(_master, value)
-        elif kind in ("param", "frozen"):
-            stored_dtype = value.dtype
-            produce = functools.partial(_gathered, value)
-        else:
-            stored_dtype = value.dtype
-            produce = functools.partial(_on_cpu, value)
-        return OutputTensor(name, shape, output_dtype(stored_dtype, options.torch_dtype), produce, kind)
-
-    tensors = [spec(name, owner) for name, owner in stored]
     info = {
         "source": "live_engine",
         "zero_stage": engine.zero_optimization_stage(),
         "world_size": dist.get_world_size() if is_distributed() else 1,
         **(source or {}),
     }
+    spec_of = functools.partial(_spec, tensors_by_name, kinds, master, options)
+    layouts = adapter_layouts(module) if options.peft == "adapter" else []
+    if layouts:  # PEFT's layout: each adapter's file and config (the default adapter in output_dir itself)
+        results = [
+            _write_selection(
+                Path(output_dir) / layout.folder,
+                options,
+                select_keys(keys, kinds, aliases, rename=layout.names),
+                skipped,
+                info,
+                layout,
+                spec_of,
+            )
+            for layout in layouts
+        ]
+        return results[0]
+    selection = select_keys(
+        keys,
+        kinds,
+        aliases,
+        exclude_frozen_parameters=options.exclude_frozen_parameters,
+        strip_prefix=options.strip_prefix,
+    )
+    return _write_selection(output_dir, options, selection, skipped, info, None, spec_of)
+
+
+def _spec(
+    tensors_by_name: dict[str, torch.Tensor],
+    kinds: dict[str, str],
+    master: bool,
+    options: ExportOptions,
+    name: str,
+    owner: str,
+) -> OutputTensor:
+    """How the tensor ``owner`` is produced (a collective for a parameter) and written as ``name``."""
+    value = tensors_by_name[owner]
+    kind = kinds[owner]
+    shape = tuple(getattr(value, "ds_shape", value.shape))
+    produce: Callable[[], torch.Tensor]
+    if kind == "param" and master:
+        stored_dtype = torch.float32
+        produce = functools.partial(_master, value)
+    elif kind in ("param", "frozen"):
+        stored_dtype = value.dtype
+        produce = functools.partial(_gathered, value)
+    else:
+        stored_dtype = value.dtype
+        produce = functools.partial(_on_cpu, value)
+    return OutputTensor(name, shape, output_dtype(stored_dtype, options.torch_dtype), produce, kind)
+
+
+def _write_selection(
+    output_dir: str | os.PathLike,
+    options: ExportOptions,
+    selection: tuple[list[tuple[str, str]], dict[str, str]],
+    skipped: list[str],
+    info: dict[str, Any],
+    adapter: AdapterLayout | None,
+    spec_of: Callable[[str, str], OutputTensor],
+) -> ExportResult | None:
+    """Every rank produces the selected tensors in order; rank 0 writes them into ``output_dir`` (an adapter's file
+    and config where ``adapter`` is given) and gets the result."""
+    rank = global_rank()
+    check_output_dir_on_every_rank(output_dir, options.overwrite)
+    stored, exported_aliases = selection
+    tensors = [spec_of(name, owner) for name, owner in stored]
     metadata = safetensors_metadata(exported_aliases, options.torch_dtype, info)
     if rank != 0:
         drain(tensors)
@@ -175,9 +215,13 @@ def export_engine(
     failure: BaseException | None = None
     try:
         with staged_output(output_dir, options.overwrite) as staging:
-            files = write_shards(staging, tensors, options.max_shard_bytes, metadata)
-            if options.hf_files is not None:
-                files += options.hf_files.write(staging)
+            if adapter is not None:
+                files = write_shards(staging, tensors, None, metadata, file_name=ADAPTER_WEIGHTS)
+                files += adapter.write_config(staging)
+            else:
+                files = write_shards(staging, tensors, options.max_shard_bytes, metadata)
+                if options.hf_files is not None:
+                    files += options.hf_files.write(staging)
     except BaseException as error:
         # the other ranks are waiting in the collectives of the remaining tensors: take part, then fail everywhere
         failure = error

@@ -16,8 +16,12 @@ from lightspeed.core.checkpoint.hf_config import HFConfigFiles, resolve_hf_confi
 from lightspeed.core.checkpoint.plan import resolve_dtype
 from lightspeed.core.checkpoint.safetensors_writer import parse_shard_size
 from lightspeed.core.common.deprecation import renamed_keyword
+from lightspeed.core.errors import ExportError
 
-__all__ = ["ExportOptions", "exclude_frozen_choice"]
+__all__ = ["PEFT_LAYOUTS", "ExportOptions", "exclude_frozen_choice"]
+
+#: how a PEFT model is exported: its adapter in PEFT's layout, or its whole state_dict
+PEFT_LAYOUTS = ("adapter", "full")
 
 
 def exclude_frozen_choice(owner: str, exclude_frozen_parameters: bool, exclude_frozen: bool | None) -> bool:
@@ -44,6 +48,10 @@ class ExportOptions:
         hf_config: write ``config.json`` beside the weights so ``from_pretrained`` loads the export: a Hugging Face
             config object (``to_json_file`` / ``save_pretrained``, e.g. ``model.config``), or the path of a
             ``config.json`` or of a directory holding one (its ``generation_config.json`` is copied too).
+        peft: for a model holding a PEFT model (``peft.get_peft_model``): ``"adapter"`` writes PEFT's layout
+            (``adapter_model.safetensors`` + ``adapter_config.json``, the trained adapter only, which
+            ``PeftModel.from_pretrained`` loads; other adapters into subfolders named after them), ``"full"`` the whole
+            ``state_dict`` as for any model. Other models are exported whole either way.
         hf_files: ``hf_config`` checked: what will be written beside the weights, None for nothing (derived).
         torch_dtype: ``dtype`` resolved to a torch dtype (derived).
         max_shard_bytes: ``max_shard_size`` in bytes, None for one file (derived).
@@ -56,12 +64,15 @@ class ExportOptions:
     strip_prefix: str | None = None
     overwrite: bool = False
     hf_config: Any = field(default=None, hash=False)
+    peft: str = "adapter"
     hf_files: HFConfigFiles | None = field(init=False, repr=False, compare=False)
     torch_dtype: torch.dtype = field(init=False, repr=False, compare=False)
     max_shard_bytes: int | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # frozen: the derived fields are set once, here, through object.__setattr__
+        if self.peft not in PEFT_LAYOUTS:
+            raise ExportError(f"peft must be one of {', '.join(map(repr, PEFT_LAYOUTS))}, got {self.peft!r}")
         object.__setattr__(self, "torch_dtype", resolve_dtype(self.dtype))
         object.__setattr__(self, "max_shard_bytes", parse_shard_size(self.max_shard_size))
         object.__setattr__(self, "hf_files", resolve_hf_config(self.hf_config))

@@ -4,7 +4,7 @@ how tied weights are recorded. Shared by the checkpoint exporter and the live-en
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -89,14 +89,24 @@ def select_keys(
     *,
     exclude_frozen_parameters: bool = False,
     strip_prefix: str | None = None,
+    rename: Mapping[str, str] | None = None,
 ) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """Choose the exported keys.
+
+    ``rename`` (an adapter's layout: export name -> key) exports exactly those keys under those names instead; a
+    key missing from ``keys`` is an :class:`ExportError`.
 
     ``keys`` is the module's state_dict order, ``kinds`` maps every stored name to "param"/"frozen"/"buffer"/...,
     ``aliases`` maps a tied name to the stored name. Returns ``[(export name, stored name)]`` in order and the
     exported aliases ``{export alias: export name of the stored tensor}``. With ``strip_prefix`` only keys under the
     prefix are exported, without it (the wrapped sub-model); a tied key whose owner falls outside is written itself.
     """
+
+    if rename is not None:
+        missing = sorted(key for key in rename.values() if key not in kinds and key not in aliases)
+        if missing:
+            raise ExportError(f"the adapter's tensors are not in the model: {', '.join(missing[:5])}")
+        return [(name, aliases.get(key, key)) for name, key in rename.items()], {}
 
     def under_prefix(name: str) -> bool:
         return not strip_prefix or (name.startswith(strip_prefix) and len(name) > len(strip_prefix))

@@ -128,14 +128,16 @@ def write_shards(
     max_shard_bytes: int | None,
     metadata: dict[str, str],
     progress: Progress | None = None,
+    file_name: str | None = None,
 ) -> list[str]:
-    """Write ``tensors`` as HF-style safetensors shards (+ index when more than one) into ``directory``."""
+    """Write ``tensors`` as HF-style safetensors shards (+ index when more than one) into ``directory``; with
+    ``file_name`` as that one file (``max_shard_bytes`` must be None)."""
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         raise ExportError(f"two tensors would be exported under the same name: {duplicates}")
     shards = plan_shards(tensors, max_shard_bytes)
-    files = shard_names(len(shards))
+    files = shard_names(len(shards)) if file_name is None else [file_name]
     total = sum(t.nbytes for t in tensors)
     done = 0
 

@@ -38,6 +38,7 @@ from lightspeed.core.checkpoint.locate import CheckpointFiles, locate
 from lightspeed.core.checkpoint.plan import wrapper_unwrapper
 from lightspeed.core.checkpoint.torch_zip import FileRegion, RegionReader, as_int, load_lazy
 from lightspeed.core.errors import CheckpointError
+from lightspeed.core.peft.layout import ADAPTERS_KEY
 
 __all__ = ["TensorSource", "ZeroCheckpoint", "assemble", "read_zero_checkpoint"]
 
@@ -68,6 +69,7 @@ class ZeroCheckpoint:
     aliases: dict[str, str]  # tied name -> name of the tensor that holds the data
     ds_version: str | None = None
     skipped: list[str] = field(default_factory=list)  # non-tensor state_dict entries (extra state)
+    adapters: list[dict[str, Any]] = field(default_factory=list)  # PEFT adapter layouts saved with it (AdapterLayout)
 
 
 def assemble(source: TensorSource, reader: RegionReader) -> torch.Tensor:
@@ -479,8 +481,9 @@ def read_zero_checkpoint(
         aliases = {unwrap(a): unwrap(t) for a, t in aliases.items()}
         skipped = [unwrap(name) for name in skipped]
         ds_version = first.get("ds_version")
+        adapters = list(first.get(ADAPTERS_KEY) or [])
         return ZeroCheckpoint(
-            files, stage, world_size, tensors, aliases, str(ds_version) if ds_version else None, skipped
+            files, stage, world_size, tensors, aliases, str(ds_version) if ds_version else None, skipped, adapters
         )
     finally:
         reader.regions.close()

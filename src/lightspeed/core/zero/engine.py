@@ -23,13 +23,16 @@ from typing import Any
 import torch
 
 from lightspeed.core.common.distributed import is_distributed
-from lightspeed.core.errors import DeepSpeedConfigError
+from lightspeed.core.errors import DeepSpeedConfigError, ExportError
+from lightspeed.core.peft.detect import check_adapter_targets, resolve_frozen_exclusion
+from lightspeed.core.peft.layout import ADAPTERS_KEY, adapter_layouts
 from lightspeed.core.reliability import staging as atomic_dir
 from lightspeed.core.reliability.node_local import NodePosition
 from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
 from lightspeed.core.reliability.staging import MODELS_MANIFEST_KEY
 from lightspeed.core.zero.config import config_offloads_optimizer, config_stage, describe_config
 from lightspeed.core.zero.cpu_optimizer import prepare_offloaded_optimizer, retarget_lr_scheduler
+from lightspeed.core.zero.frozen_fingerprint import FINGERPRINT_KEY, frozen_fingerprint
 from lightspeed.core.zero.leaf_modules import LeafModules
 from lightspeed.core.zero.parameter_checks import check_shape_split_groups
 from lightspeed.core.zero.runtime import (
@@ -42,6 +45,7 @@ from lightspeed.core.zero.stale_gradients import clear_stale_gradients
 
 __all__ = [
     "CHECKPOINT_TAG",
+    "FROZEN_EXCLUDED_KEY",
     "RESOLVED_CONFIG_FILENAME",
     "check_loadable",
     "initialize_engine",
@@ -56,6 +60,8 @@ __all__ = [
 RESOLVED_CONFIG_FILENAME = "ds_config.json"
 #: DeepSpeed's tag directory inside every checkpoint directory (Lightning's choice, kept for its readers)
 CHECKPOINT_TAG = "checkpoint"
+#: the manifest's record that the save left frozen parameters out (resuming takes them from the model as built)
+FROZEN_EXCLUDED_KEY = "frozen_parameters_excluded"
 
 
 def prepare_deepspeed_process(kind: str, uses_nvme: bool) -> None:
@@ -122,6 +128,7 @@ def initialize_engine(
                 "model's: build the optimizer from this model's parameters (`torch.optim.AdamW(model.parameters())`)."
             )
         check_shape_split_groups(optimizer, model)
+    check_adapter_targets(model)
     (LeafModules() if leaf_modules is None else leaf_modules).mark(model, config)
     # the parameters an optimizer trains: the client's, or the one the config's "optimizer" section describes
     trains = optimizer is not None or isinstance(config.get("optimizer"), dict)
@@ -168,7 +175,7 @@ def save_zero_checkpoint(
     *,
     world_size: int,
     config: dict[str, Any],
-    exclude_frozen_parameters: bool = False,
+    exclude_frozen_parameters: bool | str = False,
     manifest_extra: dict[str, Any] | None = None,
     node: NodePosition | None = None,
 ) -> Path:
@@ -177,10 +184,14 @@ def save_zero_checkpoint(
     every rank calls it with the same ``target``. With ``node`` (node-local storage) every node commits its own
     ``target`` (see :class:`StagedCheckpointSaver`)."""
 
-    def write(staging: Path) -> None:
-        _engine_save(engine, staging, client_state, exclude_frozen_parameters)
+    exclude = resolve_frozen_exclusion(exclude_frozen_parameters, engine.module)
+    client_state = _with_fingerprint(client_state, engine, exclude)
 
-    manifest = _manifest(world_size, {"zero_stage": config_stage(config)}, manifest_extra)
+    def write(staging: Path) -> None:
+        _engine_save(engine, staging, client_state, exclude)
+
+    layout = {"zero_stage": config_stage(config), FROZEN_EXCLUDED_KEY: exclude}
+    manifest = _manifest(world_size, layout, manifest_extra)
     extra_files = {RESOLVED_CONFIG_FILENAME: describe_config(config)}
     if node is not None:
         extra_files["latest"] = CHECKPOINT_TAG  # DeepSpeed writes it on rank 0's node only; every node resumes
@@ -196,22 +207,43 @@ def save_models_checkpoint(
     *,
     world_size: int,
     frozen: Sequence[str] = (),
-    exclude_frozen_parameters: bool = False,
+    exclude_frozen_parameters: bool | str = False,
     manifest_extra: dict[str, Any] | None = None,
 ) -> Path:
     """Several trained models' engines into one committed checkpoint: each model's DeepSpeed save directory under
     ``target/<name>`` (the client state in the first one), the manifest listing them, so that resuming, exporting
     and ``lightspeed export`` find every model; models in ``frozen`` are not trained and not written. A collective."""
     names = list(engines)
+    exclude = any(resolve_frozen_exclusion(exclude_frozen_parameters, engines[name].module) for name in names)
+    states = [
+        _with_fingerprint(client_state if index == 0 else {}, engines[name], exclude)
+        for index, name in enumerate(names)
+    ]
 
     def write(staging: Path) -> None:
-        for index, name in enumerate(names):
-            _engine_save(engines[name], staging / name, client_state if index == 0 else {}, exclude_frozen_parameters)
+        for name, state in zip(names, states, strict=True):
+            _engine_save(engines[name], staging / name, state, exclude)
 
     models = {name: {"zero_stage": config_stage(configs[name])} for name in names}
-    manifest = _manifest(world_size, {MODELS_MANIFEST_KEY: models, "frozen_models": list(frozen)}, manifest_extra)
+    layout = {MODELS_MANIFEST_KEY: models, "frozen_models": list(frozen), FROZEN_EXCLUDED_KEY: exclude}
+    manifest = _manifest(world_size, layout, manifest_extra)
     extra_files = {f"{name}/{RESOLVED_CONFIG_FILENAME}": describe_config(configs[name]) for name in names}
     return saver.save(target, write, manifest=manifest, extra_files=extra_files)
+
+
+def _with_fingerprint(client_state: dict[str, Any], engine: Any, exclude: bool) -> dict[str, Any]:
+    """``client_state`` plus, when the save leaves frozen parameters out, their fingerprint (checked on resume), and
+    the adapter layouts of a PEFT model (so that ``lightspeed export`` writes PEFT's layout from the files)."""
+    extras: dict[str, Any] = {}
+    if exclude:
+        extras[FINGERPRINT_KEY] = frozen_fingerprint(engine.module)
+    try:
+        layouts = adapter_layouts(engine.module)
+    except ExportError:  # several PEFT models, an adapter type not held in weights: exported whole
+        layouts = []
+    if layouts:
+        extras[ADAPTERS_KEY] = [layout.to_state() for layout in layouts]
+    return {**client_state, **extras}
 
 
 def _manifest(world_size: int, layout: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:

@@ -29,12 +29,15 @@ from lightspeed.core.errors import CheckpointError, IncompleteCheckpointError
 from lightspeed.core.reliability import reshard
 from lightspeed.core.reliability import staging as atomic_dir
 from lightspeed.core.reliability.node_local import require_part as require_node_local_part
-from lightspeed.core.zero.engine import CHECKPOINT_TAG, check_loadable
+from lightspeed.core.zero.engine import CHECKPOINT_TAG, FROZEN_EXCLUDED_KEY, check_loadable
+from lightspeed.core.zero.frozen_fingerprint import FINGERPRINT_KEY, check_frozen_fingerprint
 from lightspeed.core.zero.weights import check_fits, load_zero_weights, read_client_state, read_structure
 
 __all__ = [
     "check_before_loading",
     "checkpoint_to_load",
+    "deepspeed_strict",
+    "frozen_parameters_excluded",
     "load_models",
     "load_weights_for_evaluation",
     "models_in_checkpoint",
@@ -53,6 +56,7 @@ def check_before_loading(
     node_rank: int | None = None,
     warn: Callable[[str], None],
     marked: bool = True,
+    frozen_excluded: bool | None = None,
 ) -> None:
     """Every check that can fail before a checkpoint is loaded (a collective).
 
@@ -60,14 +64,16 @@ def check_before_loading(
     parameters missing on either side. ``node_rank`` (node-local storage) checks this node's part and that every node
     holds the same save. A plain DeepSpeed checkpoint without lightspeed's completion marker is loaded after
     ``warn`` says so. ``marked=False``: one model's folder of a several-model checkpoint, whose marker
-    :func:`models_in_checkpoint` checked; only the shapes are compared."""
+    :func:`models_in_checkpoint` checked; only the shapes are compared. Frozen parameters may be missing where the
+    save left them out (``frozen_excluded``; None: as the checkpoint's manifest says)."""
     path = Path(path)
     if node_rank is not None:
         _check_node_local_part(path, node_rank)
         return
     if marked:
         _check_marked(path, warn)
-    _check_fits_on_every_rank(path, module, strict)
+    excluded = frozen_parameters_excluded(path) if frozen_excluded is None else frozen_excluded
+    _check_fits_on_every_rank(path, module, strict, excluded)
 
 
 def _check_marked(path: Path, warn: Callable[[str], None]) -> None:
@@ -145,19 +151,24 @@ def load_models(
     model."""
     path = Path(path)
     held = models_in_checkpoint(path, trained, list(modules), world_size)
+    excluded = frozen_parameters_excluded(path)
     client_state: dict[str, Any] = {}
     for index, name in enumerate(held):
         folder = path / name
-        check_before_loading(folder, module=modules[name], strict=strict, warn=warn, marked=False)
+        check_before_loading(
+            folder, module=modules[name], strict=strict, warn=warn, marked=False, frozen_excluded=excluded
+        )
         if engines is None:
-            state = load_weights_for_evaluation(modules[name], folder, rank=rank, strict=strict)
+            state = load_weights_for_evaluation(
+                modules[name], folder, rank=rank, strict=strict, frozen_excluded=excluded
+            )
         else:
             _, state = engines[name].load_checkpoint(
                 str(folder),
                 tag=CHECKPOINT_TAG,
                 load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=False,
-                load_module_strict=strict,
+                load_module_strict=strict and not excluded,
             )
         if index == 0:
             client_state = dict(state or {})
@@ -183,14 +194,39 @@ def _require_intact_on_every_rank(path: Path) -> None:
     raise_on_every_rank(damaged, _what(path), error_type=IncompleteCheckpointError)
 
 
-def _check_fits_on_every_rank(path: Path, module: torch.nn.Module | None, strict: bool) -> None:
+def _check_fits_on_every_rank(path: Path, module: torch.nn.Module | None, strict: bool, frozen_excluded: bool) -> None:
     if module is not None and path.is_dir():
         misfit: CheckpointError | None = None
+        fingerprint = None
         try:
-            check_fits(module, read_structure(path), strict=strict)
+            structure = read_structure(path)
+            check_fits(module, structure, strict=strict, frozen_excluded=frozen_excluded)
+            if frozen_excluded:
+                fingerprint = read_client_state(structure).get(FINGERPRINT_KEY)
         except CheckpointError as err:
             misfit = err
         raise_on_every_rank(misfit, _what(path), error_type=CheckpointError)
+        _check_frozen_kept(module, path, fingerprint)
+
+
+def _check_frozen_kept(module: torch.nn.Module, path: Path, fingerprint: dict[str, list[float]] | None) -> None:
+    """The module's frozen parameters are those the checkpoint (which left them out) was saved with: one error on
+    every rank otherwise. Every rank has read the same fingerprint, so every rank takes part in its collective."""
+    if fingerprint is None:
+        return
+    check_frozen_fingerprint(module, fingerprint, str(path))
+
+
+def frozen_parameters_excluded(path: str | os.PathLike[str]) -> bool:
+    """Whether the save of ``path`` left frozen parameters out (lightspeed's manifest says so)."""
+    path = Path(path)
+    return path.is_dir() and atomic_dir.is_complete(path) and bool(_manifest(path).get(FROZEN_EXCLUDED_KEY))
+
+
+def deepspeed_strict(path: str | os.PathLike[str], strict: bool) -> bool:
+    """The ``load_module_strict`` for DeepSpeed's ``load_checkpoint`` of ``path``, once :func:`check_before_loading`
+    passed: not strict where the save left frozen parameters out (checked already, they keep their built values)."""
+    return strict and not frozen_parameters_excluded(path)
 
 
 def _check_node_local_part(path: Path, node_rank: int) -> None:
@@ -251,15 +287,23 @@ def checkpoint_to_load(
 
 
 def load_weights_for_evaluation(
-    module: torch.nn.Module, path: str | os.PathLike[str], *, rank: int, strict: bool = True
+    module: torch.nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    rank: int,
+    strict: bool = True,
+    frozen_excluded: bool | None = None,
 ) -> dict[str, Any]:
     """Evaluation from a ZeRO checkpoint (a collective): its weights, read from the rank files of any stage and world
     size, go straight into the (possibly partitioned) ``module``, tensor by tensor; returns the client state saved
     beside them (the Trainer's loop state, Fabric's user state).
 
     DeepSpeed's inference engine has no ZeRO optimizer to restore shards into, so its ``load_checkpoint`` cannot be
-    used; every rank reads the checkpoint's layout, so a missing rank file is an error on every rank."""
+    used; every rank reads the checkpoint's layout, so a missing rank file is an error on every rank. Frozen
+    parameters the save left out (``frozen_excluded``; None: as the manifest says) keep their values."""
     path = Path(path)
+    if frozen_excluded is None:
+        frozen_excluded = frozen_parameters_excluded(path)
     error: CheckpointError | None = None
     client_state: dict[str, Any] = {}
     structure = None
@@ -270,8 +314,10 @@ def load_weights_for_evaluation(
         error = err
     raise_on_every_rank(error, _what(path), error_type=CheckpointError)
     assert structure is not None
+    if frozen_excluded:
+        _check_frozen_kept(module, path, client_state.get(FINGERPRINT_KEY))
     try:
-        load_zero_weights(module, structure, rank=rank, strict=strict)
+        load_zero_weights(module, structure, rank=rank, strict=strict, frozen_excluded=frozen_excluded)
     except CheckpointError as err:
         error = err
     raise_on_every_rank(error, _what(path), error_type=CheckpointError)

@@ -65,7 +65,7 @@ class ZeroSession:
         compile: what ``engine.compile()`` is called with (None: the model is not compiled).
         activation_checkpointing_policy: module classes whose forward is checkpointed in training.
         node_local_storage: each node writes its own ranks' checkpoint files into its own directory.
-        exclude_frozen_parameters: leave frozen parameters out of checkpoints.
+        exclude_frozen_parameters: leave frozen parameters out of checkpoints (``"auto"``: those of a PEFT model).
         front_end: ``"Trainer"`` or ``"Fabric"``, for the messages that name the user's call.
         info: the front end's rank-zero logger.
         leaf_modules: the modules marked as ZeRO-3 leaf modules in every engine's model (default: the
@@ -79,7 +79,7 @@ class ZeroSession:
         compile: CompileRequest | None,
         activation_checkpointing_policy: Policy | None,
         node_local_storage: bool,
-        exclude_frozen_parameters: bool,
+        exclude_frozen_parameters: bool | str,
         front_end: str,
         info: Callable[[str], None],
         leaf_modules: LeafModules | None = None,
@@ -91,6 +91,10 @@ class ZeroSession:
         self.compiled_with: CompileRequest | None = None  # what the last engine was compiled with
         self.activation_checkpointing_policy = activation_checkpointing_policy
         self.leaf_modules = LeafModules() if leaf_modules is None else leaf_modules
+        if exclude_frozen_parameters != "auto" and not isinstance(exclude_frozen_parameters, bool):
+            raise ValueError(
+                f"exclude_frozen_parameters must be True, False or 'auto', got {exclude_frozen_parameters!r}"
+            )
         self.exclude_frozen_parameters = exclude_frozen_parameters
         self.front_end = front_end
         self.saver = StagedCheckpointSaver()
@@ -118,7 +122,7 @@ class ZeroSession:
             compile=compile_request(arguments.get("compile", False), arguments.get("compile_kwargs"), owner),
             activation_checkpointing_policy=arguments.get("activation_checkpointing_policy"),
             node_local_storage=arguments.get("node_local_storage", False),
-            exclude_frozen_parameters=arguments.get("exclude_frozen_parameters", False),
+            exclude_frozen_parameters=arguments.get("exclude_frozen_parameters", "auto"),
             front_end=front_end,
             info=info,
             leaf_modules=LeafModules.of(arguments.get("leaf_modules", AUTO)),

@@ -87,6 +87,15 @@ def _targets(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
+def _expected_keys(module: torch.nn.Module, frozen_excluded: bool) -> set[str]:
+    """The keys a checkpoint of ``module`` holds: its persistent tensors, less its frozen parameters when the save
+    left them out (they keep their values as built, e.g. from the pretrained files)."""
+    keys = _persistent_keys(module)
+    if frozen_excluded:
+        keys -= {name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    return keys
+
+
 def _persistent_keys(module: torch.nn.Module) -> set[str]:
     """The tensor keys of ``module.state_dict()`` without materialising ZeRO-3 partitioned parameters."""
     keys: set[str] = set()
@@ -119,18 +128,26 @@ def _writable(target: torch.Tensor, rank: int) -> Iterator[bool]:
         yield True
 
 
-def load_zero_weights(module: torch.nn.Module, structure: ZeroCheckpoint, *, rank: int, strict: bool = True) -> None:
+def load_zero_weights(
+    module: torch.nn.Module,
+    structure: ZeroCheckpoint,
+    *,
+    rank: int,
+    strict: bool = True,
+    frozen_excluded: bool = False,
+) -> None:
     """Copy every tensor of ``structure`` into ``module`` (ZeRO-3 partitioned or not), one tensor at a time.
 
     Every rank must call this with the same ``structure`` (partitioned parameters are re-partitioned with a
     collective per parameter). ``strict`` refuses checkpoint tensors the module lacks and module tensors the
-    checkpoint lacks, before anything is copied.
+    checkpoint lacks (but for frozen parameters when the save left them out: ``frozen_excluded``), before anything
+    is copied.
     """
     targets = _targets(module)
     stored = {source.name for source in structure.tensors} | set(structure.aliases)
     if strict:
         unexpected = sorted(stored - set(targets))
-        missing = sorted(_persistent_keys(module) - stored)
+        missing = sorted(_expected_keys(module, frozen_excluded) - stored)
         if unexpected or missing:
             labels = ("missing from the checkpoint", "not in the model")
             mismatch = describe_key_mismatch(missing, unexpected, labels, ", ".join)
@@ -171,9 +188,13 @@ def _copy(source: TensorSource, reader: RegionReader, target: torch.Tensor) -> C
     return None
 
 
-def check_fits(module: torch.nn.Module, structure: ZeroCheckpoint, *, strict: bool = True) -> None:
+def check_fits(
+    module: torch.nn.Module, structure: ZeroCheckpoint, *, strict: bool = True, frozen_excluded: bool = False
+) -> None:
     """Raise one :class:`CheckpointError` listing every tensor of ``structure`` whose shape differs from the
-    module's (and, with ``strict``, the tensors only one side has); reads no tensor data."""
+    module's (and, with ``strict``, the tensors only one side has); reads no tensor data. ``frozen_excluded``: the
+    save left frozen parameters out, so the module's frozen parameters may be missing (they keep their values as
+    built, e.g. from the pretrained files)."""
     targets = _targets(module)
     problems = []
     for source in structure.tensors:
@@ -186,7 +207,8 @@ def check_fits(module: torch.nn.Module, structure: ZeroCheckpoint, *, strict: bo
     if strict:
         stored = {source.name for source in structure.tensors} | set(structure.aliases)
         problems += [f"{name}: not in the model" for name in sorted(stored - set(targets))]
-        problems += [f"{name}: missing from the checkpoint" for name in sorted(_persistent_keys(module) - stored)]
+        expected = _expected_keys(module, frozen_excluded)
+        problems += [f"{name}: missing from the checkpoint" for name in sorted(expected - stored)]
     if problems:
         listing = "\n  ".join(problems)
         raise CheckpointError(
