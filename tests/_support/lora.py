@@ -82,8 +82,11 @@ def reference(pretrained: Path, steps: int = STEPS) -> dict[str, torch.Tensor]:
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
-def adapter_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {key: value for key, value in state.items() if "lora_" in key}
+def merged(pretrained: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What peft's ``merge_and_unload()`` makes of the PEFT model with ``state``: the base model's weights."""
+    model = lora_model(pretrained)
+    model.load_state_dict(state)
+    return {key: value.detach().clone() for key, value in model.merge_and_unload().state_dict().items()}
 
 
 def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:

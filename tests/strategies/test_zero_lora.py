@@ -2,7 +2,7 @@
 ``configure_model`` trains like one plain process (zero3, zero3_offload, zero3_nvme; <= 1e-5), only the adapters
 train, checkpoints hold the adapters and their optimizer state only and resume exactly, a resume whose frozen base
 differs from the saved one is an error, and ``ZeroExport`` / ``lightspeed export`` write PEFT's adapter layout, which
-``PeftModel.from_pretrained`` loads."""
+``PeftModel.from_pretrained`` loads, and ``ZeroExport(peft="merged")`` the base model with the adapters folded in."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ pytest.importorskip("peft", reason="LoRA needs the peft extra (pip install 'ligh
 from _support import lora  # noqa: E402
 from _support.launch import REPO_ROOT, run_torchrun  # noqa: E402
 from lightspeed.core.checkpoint.zero_reader import read_zero_checkpoint  # noqa: E402
+from lightspeed.core.errors import ExportError  # noqa: E402
 from lightspeed.export import export_checkpoint  # noqa: E402
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_lora.py"
@@ -76,6 +77,18 @@ def test_zero_export_writes_the_adapter_that_peft_loads(run: Any, export: str) -
     out, _, reference = run
     assert sorted(p.name for p in (out / export).iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     lora.assert_close(lora.loaded_adapter(out / "pretrained", out / export), reference, export)
+
+
+def test_a_merged_export_is_the_base_model_with_the_adapters_folded_in(run: Any) -> None:
+    """What peft's ``merge_and_unload()`` gives in one process, loaded by transformers alone."""
+    from transformers import AutoModelForCausalLM
+
+    out, _, reference = run
+    loaded = AutoModelForCausalLM.from_pretrained(out / "export_merged").state_dict()
+    want = lora.merged(out / "pretrained", reference)
+    lora.assert_close({key: value.detach() for key, value in loaded.items()}, want, "merged")
+    with pytest.raises(ExportError, match="a merged export of a PEFT model is written from the running engine"):
+        export_checkpoint(next((out / "ck_last").iterdir()), out / "merged_from_checkpoint", peft="merged")
 
 
 def test_lightspeed_export_of_the_checkpoint_writes_the_same_adapter(run: Any, tmp_path: Path) -> None:

@@ -70,7 +70,9 @@ class ZeroExport(Callback):
         exclude_frozen: deprecated name of ``exclude_frozen_parameters`` (works, with a ``FutureWarning``).
         peft: for a model holding a PEFT model (``peft.get_peft_model``): ``"adapter"`` (default) writes PEFT's
             layout, ``adapter_model.safetensors`` + ``adapter_config.json`` (the trained adapter only), which
-            ``PeftModel.from_pretrained(base, dirpath)`` loads; ``"full"`` the whole ``state_dict``.
+            ``PeftModel.from_pretrained(base, dirpath)`` loads; ``"merged"`` the base model with the LoRA adapters
+            folded into its weights, named as the base model, with its ``config.json`` (``from_pretrained(dirpath)``
+            loads it without peft); ``"full"`` the whole ``state_dict``.
 
     The export options are validated here (``self.options``), so a typo fails at construction, not after training.
     """

@@ -4,7 +4,7 @@ usage: zero_lora.py OUT   (OUT/pretrained: the pretrained files, written by the 
 
 * ``zero3``: 2 steps saving a checkpoint (OUT/ck_first), then a new Trainer resumes from it to step 4 saving again
   (OUT/ck_last) with ``ZeroExport(OUT/export_zero3)``; ``zero3_offload`` and ``zero3_nvme``: 4 steps, the first
-  with ``ZeroExport(OUT/export_zero3_offload)``;
+  with ``ZeroExport(OUT/export_zero3_offload)`` and ``ZeroExport(OUT/export_merged, peft="merged")``;
 * ``changed_base``: resuming from OUT/ck_first with one frozen base weight changed;
 * ``bad_target``: a LoRA target module the model does not have.
 
@@ -91,7 +91,11 @@ def main(out: Path) -> None:
         ckpt_path=first,
     )
     result["zero3"] = gathered_state(resumed)
-    offloaded = fit(out, "zero3_offload", lora.STEPS, [lightspeed.callbacks.ZeroExport(out / "export_zero3_offload")])
+    exports = [
+        lightspeed.callbacks.ZeroExport(out / "export_zero3_offload"),
+        lightspeed.callbacks.ZeroExport(out / "export_merged", peft="merged"),
+    ]
+    offloaded = fit(out, "zero3_offload", lora.STEPS, exports)
     result["zero3_offload"] = gathered_state(offloaded)
     os.environ["LIGHTSPEED_NVME_PATH"] = str(out / "nvme")
     result["zero3_nvme"] = gathered_state(fit(out, "zero3_nvme", lora.STEPS, []))

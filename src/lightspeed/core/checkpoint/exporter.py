@@ -86,9 +86,14 @@ def export_zero_checkpoint(
         "tag": checkpoint_info.files.tag,
         "deepspeed_version": checkpoint_info.ds_version,
     }
-    layouts = (
-        [AdapterLayout.from_state(state) for state in checkpoint_info.adapters] if options.peft == "adapter" else []
-    )
+    if options.peft == "merged" and checkpoint_info.adapters:
+        raise ExportError(
+            f"{checkpoint_info.files.tag_dir}: a merged export of a PEFT model is written from the running engine "
+            "(ZeroExport(peft='merged')); checkpoints leave the base model out by default. Export the adapter "
+            "(peft='adapter'), load it onto the base model with PeftModel.from_pretrained and call merge_and_unload()."
+        )
+    saved_layouts = checkpoint_info.adapters if options.peft == "adapter" else []
+    layouts = [AdapterLayout.from_state(state) for state in saved_layouts]
     if layouts:  # PEFT's layout, as the run's live export writes it (the default adapter in output_dir itself)
         results = [
             _write_export(checkpoint_info, source, Path(output_dir) / layout.folder, options, progress, layout)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightspeed.core.checkpoint.exporter import ExportResult
+from lightspeed.core.checkpoint.hf_config import HFConfigFiles, find_hf_config
 from lightspeed.core.checkpoint.options import ExportOptions
 from lightspeed.core.checkpoint.plan import (
     OutputTensor,
@@ -31,6 +32,7 @@ from lightspeed.core.checkpoint.safetensors_writer import drain, write_shards
 from lightspeed.core.common.distributed import global_rank, is_distributed, raise_on_every_rank
 from lightspeed.core.errors import ExportError
 from lightspeed.core.peft.layout import ADAPTER_WEIGHTS, AdapterLayout, adapter_layouts
+from lightspeed.core.peft.merged import merged_tensors
 from lightspeed.core.reliability.staging import check_output_dir_on_every_rank, staged_output
 
 __all__ = ["export_engine"]
@@ -143,6 +145,21 @@ def export_engine(
             for layout in layouts
         ]
         return results[0]
+    if options.peft == "merged":  # the base model with the adapters folded in, named and configured as the base
+        merged, base = merged_tensors(module)
+        layer_of = {tensor.name: tensor.layer for tensor in merged if tensor.layer is not None}
+        hf_files = options.hf_files or find_hf_config(base, None)
+        rename = {tensor.name: unwrap(tensor.key) for tensor in merged}
+        return _write_selection(
+            output_dir,
+            options,
+            select_keys(keys, kinds, aliases, rename=rename),
+            skipped,
+            info,
+            None,
+            functools.partial(_merged_spec, spec_of, layer_of),
+            hf_files,
+        )
     selection = select_keys(
         keys,
         kinds,
@@ -150,7 +167,32 @@ def export_engine(
         exclude_frozen_parameters=options.exclude_frozen_parameters,
         strip_prefix=options.strip_prefix,
     )
-    return _write_selection(output_dir, options, selection, skipped, info, None, spec_of)
+    return _write_selection(output_dir, options, selection, skipped, info, None, spec_of, options.hf_files)
+
+
+def _merged_spec(
+    spec_of: Callable[[str, str], OutputTensor], layer_of: dict[str, Any], name: str, owner: str
+) -> OutputTensor:
+    """The tensor ``owner`` written as ``name``, with the adapters of ``layer_of[name]`` added where it has one."""
+    spec = spec_of(name, owner)
+    layer = layer_of.get(name)
+    if layer is not None:
+        spec.produce = functools.partial(_with_adapters, spec.produce, layer)
+    return spec
+
+
+def _with_adapters(produce: Callable[[], torch.Tensor], layer: Any) -> torch.Tensor:
+    """The base weight ``produce`` gives plus each active adapter of the peft ``layer`` not merged already (peft's
+    ``get_delta_weight``), computed with the layer's adapter weights gathered (a collective under ZeRO-3)."""
+    import deepspeed
+
+    weight = produce()
+    adapter_params = [param for name, param in layer.named_parameters() if not name.startswith("base_layer.")]
+    with deepspeed.zero.GatheredParameters(adapter_params, modifier_rank=None):
+        for adapter in layer.active_adapters:
+            if adapter in getattr(layer, "scaling", {}) and adapter not in layer.merged_adapters:
+                weight = weight + layer.get_delta_weight(adapter).detach().to("cpu", weight.dtype)
+    return weight
 
 
 def _spec(
@@ -186,9 +228,10 @@ def _write_selection(
     info: dict[str, Any],
     adapter: AdapterLayout | None,
     spec_of: Callable[[str, str], OutputTensor],
+    hf_files: HFConfigFiles | None = None,
 ) -> ExportResult | None:
     """Every rank produces the selected tensors in order; rank 0 writes them into ``output_dir`` (an adapter's file
-    and config where ``adapter`` is given) and gets the result."""
+    and config where ``adapter`` is given, else the shards and ``hf_files``) and gets the result."""
     rank = global_rank()
     check_output_dir_on_every_rank(output_dir, options.overwrite)
     stored, exported_aliases = selection
@@ -220,8 +263,8 @@ def _write_selection(
                 files += adapter.write_config(staging)
             else:
                 files = write_shards(staging, tensors, options.max_shard_bytes, metadata)
-                if options.hf_files is not None:
-                    files += options.hf_files.write(staging)
+                if hf_files is not None:
+                    files += hf_files.write(staging)
     except BaseException as error:
         # the other ranks are waiting in the collectives of the remaining tensors: take part, then fail everywhere
         failure = error

@@ -21,7 +21,7 @@ from lightspeed.core.errors import ExportError
 __all__ = ["PEFT_LAYOUTS", "ExportOptions", "exclude_frozen_choice"]
 
 #: how a PEFT model is exported: its adapter in PEFT's layout, or its whole state_dict
-PEFT_LAYOUTS = ("adapter", "full")
+PEFT_LAYOUTS = ("adapter", "merged", "full")
 
 
 def exclude_frozen_choice(owner: str, exclude_frozen_parameters: bool, exclude_frozen: bool | None) -> bool:
@@ -50,8 +50,10 @@ class ExportOptions:
             ``config.json`` or of a directory holding one (its ``generation_config.json`` is copied too).
         peft: for a model holding a PEFT model (``peft.get_peft_model``): ``"adapter"`` writes PEFT's layout
             (``adapter_model.safetensors`` + ``adapter_config.json``, the trained adapter only, which
-            ``PeftModel.from_pretrained`` loads; other adapters into subfolders named after them), ``"full"`` the whole
-            ``state_dict`` as for any model. Other models are exported whole either way.
+            ``PeftModel.from_pretrained`` loads; other adapters into subfolders named after them), ``"merged"`` the base
+            model with the LoRA adapters folded into its weights, named as the base model and with its ``config.json``
+            (from a running engine only: checkpoints leave the frozen base out), ``"full"`` the whole ``state_dict``
+            as for any model. Other models are exported whole either way.
         hf_files: ``hf_config`` checked: what will be written beside the weights, None for nothing (derived).
         torch_dtype: ``dtype`` resolved to a torch dtype (derived).
         max_shard_bytes: ``max_shard_size`` in bytes, None for one file (derived).
