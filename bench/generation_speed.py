@@ -1,6 +1,7 @@
 """Generation under ZeRO-3: tokens/s of a GPT-2 generating on 2 CPU ranks with the parameters gathered for every
 token (what ``synced_gpus=True`` does, lightspeed's default) and gathered once for the whole generation
-(``lightspeed.gathered_for_generation``), against the same model generating in one process.
+(``lightspeed.gathered_for_generation``: the whole block, gathering included, and the generation inside it), against
+the same model generating in one process.
 
     python bench/generation_speed.py                       # 8 layers x 512 wide (25M parameters), 32 new tokens
     python bench/generation_speed.py --width 768 --layers 12 --tokens 64 --repeats 5
@@ -58,17 +59,19 @@ def worker(args: argparse.Namespace, out: Path) -> None:
     model = make_model(args.width, args.layers)  # built whole (the same weights as the single process), then
     engine = fabric.setup_module(model)  # partitioned by deepspeed.initialize
     rank = fabric.global_rank
-    times: dict[str, list[float]] = {"per_token": [], "gathered": []}
+    times: dict[str, list[float]] = {"per_token": [], "gathered": [], "inside": []}
     outputs: dict[str, list[int]] = {}
     with torch.no_grad():
         generate(engine.module, rank, 2)  # warm-up (DeepSpeed traces the module order)
         for _ in range(args.repeats):
-            for variant in times:
+            for variant in ("per_token", "gathered"):
                 fabric.barrier()
                 start = time.perf_counter()
                 if variant == "gathered":
                     with lightspeed.gathered_for_generation(engine.module, enabled=True):
+                        inside = time.perf_counter()
                         outputs[variant] = generate(engine.module, rank, args.tokens)
+                        times["inside"].append(time.perf_counter() - inside)
                 else:
                     outputs[variant] = generate(engine.module, rank, args.tokens)
                 fabric.barrier()
@@ -114,7 +117,7 @@ def main() -> None:
             assert tokens == expected[rank], f"rank {rank} {variant}: tokens differ from single-process generation"
     new_tokens = args.tokens + args.devices - 1  # the longest rank's: the ranks wait for it
     speeds = {"single process": new_tokens / statistics.median(single)}
-    for variant in ("per_token", "gathered"):
+    for variant in ("per_token", "gathered", "inside"):
         speeds[f"ZeRO-3 {variant}"] = new_tokens / statistics.median(
             max(r["times"][variant][i] for r in ranks) for i in range(args.repeats)
         )

@@ -15,7 +15,7 @@ SCRIPTS = REPO_ROOT / "tests" / "strategies" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import zero_pretrained_generation as worker  # noqa: E402
 
-from lightspeed.core.zero.generation import SYNCED_GPUS_FALSE_ERROR  # noqa: E402
+from lightspeed.core.zero.generation import GRAD_INSIDE_GATHERED_ERROR, SYNCED_GPUS_FALSE_ERROR  # noqa: E402
 
 
 def single_process_tokens(path: Path) -> list[list[int]]:
@@ -67,6 +67,10 @@ def check_generation(facts: list[dict[str, Any]], expected: list[list[int]], key
         for key in keys:
             assert rank_facts[key] == expected[rank], f"rank {rank} {key}"
         gathered = rank_facts["gathered"]  # gathered once for the whole generation: same tokens, partitioned after
+        before, inside, after = gathered.pop("zero_hooks")
+        assert before > 0 and inside == 0 and after == before  # DeepSpeed's module hooks off inside, back after
+        assert gathered.pop("collectives_inside") == []  # no per-token flag all-reduce, no gather
+        assert gathered.pop("with_grad") == {"type": "RuntimeError", "message": GRAD_INSIDE_GATHERED_ERROR}
         assert gathered == {"tokens": expected[rank], "gathered": True, "partitioned_after": True}
         assert rank_facts["synced_gpus_false"] == {
             "type": "ValueError",

@@ -117,15 +117,65 @@ def generate(model: Any, rank: int, **kwargs: Any) -> list[int]:
     return out[0].tolist()
 
 
+def zero_hooks(module: torch.nn.Module) -> int:
+    """How many of DeepSpeed's ZeRO-3 module hooks ``module``'s modules carry."""
+    from lightspeed.core.zero.generation import _is_zero_hook
+
+    return sum(
+        _is_zero_hook(hook)
+        for sub in module.modules()
+        for hooks in (sub._forward_pre_hooks, sub._forward_hooks)
+        for hook in hooks.values()
+    )
+
+
+def counting_collectives() -> tuple[list[str], Any]:
+    """A list that records every torch.distributed collective called until ``restore()`` (the second value)."""
+    import torch.distributed as dist
+
+    calls: list[str] = []
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "barrier", "reduce_scatter_tensor")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counted(name))
+    return calls, lambda: [setattr(dist, name, original) for name, original in originals.items()]
+
+
 def generate_gathered(model: Any, rank: int, enabled: bool | str) -> dict[str, Any]:
-    """Generation inside ``lightspeed.gathered_for_generation``; the parameters are partitioned again afterwards."""
+    """Generation inside ``lightspeed.gathered_for_generation``: without DeepSpeed's module hooks and without any
+    collective; the parameters are partitioned again and the hooks back afterwards. A forward pass with gradients
+    inside is refused."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     module = getattr(model, "module", model)
+    hooks = [zero_hooks(module)]
     with lightspeed.gathered_for_generation(module, enabled=enabled) as gathered:
-        tokens = generate(model, rank)
+        hooks.append(zero_hooks(module))
+        calls, restore = counting_collectives()
+        try:
+            tokens = generate(model, rank)
+        finally:
+            restore()
+        with torch.enable_grad():
+            with_grad = error_of(lambda: module(PROMPTS[rank : rank + 1]))
+    hooks.append(zero_hooks(module))
     released = all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in module.parameters())
-    return {"tokens": tokens, "gathered": gathered, "partitioned_after": released}
+    return {
+        "tokens": tokens,
+        "gathered": gathered,
+        "partitioned_after": released,
+        "collectives_inside": calls,
+        "zero_hooks": hooks,
+        "with_grad": with_grad,
+    }
 
 
 def error_of(fn: Any) -> dict[str, Any]:

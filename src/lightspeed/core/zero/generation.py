@@ -28,6 +28,7 @@ from torch import nn
 
 __all__ = [
     "GATHER_MEMORY_SHARE",
+    "GRAD_INSIDE_GATHERED_ERROR",
     "SYNCED_GPUS_FALSE_ERROR",
     "forward_without_collectives",
     "gathered_for_generation",
@@ -185,8 +186,10 @@ def gathered_for_generation(model: nn.Module, enabled: bool | str = "auto") -> I
     """Within the block, ``model``'s ZeRO-3 parameters are gathered once and stay whole, so generation does not gather
     them again for every token (a collective: every rank enters it). Yields whether it gathered: ``enabled="auto"``
     gathers when the whole model takes at most half of every rank's free memory, ``True`` always, ``False`` never; a
-    model that is not partitioned over several ranks is left as it is. Generation inside still passes
-    ``synced_gpus=True`` (cheap: one flag per token), so ranks that stop at different steps stay in step. Inside
+    model that is not partitioned over several ranks is left as it is. Inside, the model runs without DeepSpeed's
+    per-module hooks and its forward passes make no collective, so each rank generates at the speed of one plain
+    process, without ``synced_gpus`` (ranks that stop at different steps do not wait for each other); forward passes
+    with gradients are refused there (:data:`GRAD_INSIDE_GATHERED_ERROR`). Inside
     :func:`forward_without_collectives` (an evaluation with different batch counts per rank, model already whole) it
     yields True at once, without a collective.
 
@@ -215,7 +218,70 @@ def gathered_for_generation(model: nn.Module, enabled: bool | str = "auto") -> I
         for param in params:
             param.ds_active_sub_modules.add(_GENERATION_HOLD)  # type: ignore[attr-defined]
         try:
-            yield True
+            with forward_without_collectives(), _without_zero_hooks(model):
+                yield True
         finally:
             for param in params:
                 param.ds_active_sub_modules.discard(_GENERATION_HOLD)  # type: ignore[attr-defined]
+
+
+GRAD_INSIDE_GATHERED_ERROR = (
+    "A forward pass with gradients enabled inside lightspeed.gathered_for_generation (or a gathered evaluation): the "
+    "model runs there without ZeRO-3's hooks, which a backward pass needs. Run training steps outside the block, and "
+    "forward passes inside it under torch.no_grad() (generate does)."
+)
+
+
+def _is_zero_hook(hook: Any) -> bool:
+    """A module hook DeepSpeed's ZeRO-3 registered (fetch before and release after every module's forward, the
+    backward set-up, the start-of-forward step reset), by the module that defines it, looking through the wrappers
+    DeepSpeed puts around some (its NVTX ranges: a closure over the one function it wraps)."""
+    for _ in range(4):
+        if str(getattr(hook, "__module__", "")).startswith("deepspeed.runtime.zero."):
+            return True
+        inner = getattr(hook, "__wrapped__", None)
+        if inner is None:
+            cells = [cell.cell_contents for cell in getattr(hook, "__closure__", None) or ()]
+            functions = [value for value in cells if inspect.isfunction(value)]
+            inner = functions[0] if len(functions) == 1 else None
+        if inner is None:
+            return False
+        hook = inner
+    return False
+
+
+def _refuse_gradients(module: nn.Module, args: Any) -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError(GRAD_INSIDE_GATHERED_ERROR)
+
+
+@contextlib.contextmanager
+def _without_zero_hooks(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s modules run without DeepSpeed's ZeRO-3 hooks: with every parameter gathered they
+    only add Python work to every module's forward (the bulk of a generated token's time on a small model). They are
+    put back afterwards in their places, hooks added meanwhile after them. Forward passes with gradients enabled are
+    refused inside (a backward pass needs the hooks)."""
+    saved: list[tuple[dict[int, Any], dict[int, Any]]] = []
+    for module in model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            if any(_is_zero_hook(hook) for hook in hooks.values()):
+                saved.append((hooks, dict(hooks)))
+                for key in [key for key, hook in hooks.items() if _is_zero_hook(hook)]:
+                    del hooks[key]
+    # on the modules holding parameters: a wrapper's own forward (Fabric's, DeepSpeed's engine) may still run with
+    # gradients enabled before generate turns them off
+    guards = [
+        module.register_forward_pre_hook(_refuse_gradients)
+        for module in model.modules()
+        if any(param is not None for param in module._parameters.values())
+    ]
+    try:
+        yield
+    finally:
+        for guard in guards:
+            guard.remove()
+        for hooks, before in saved:
+            added = {key: hook for key, hook in hooks.items() if key not in before}
+            hooks.clear()
+            hooks.update(before)
+            hooks.update(added)
