@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -12,6 +14,7 @@ import pytest
 
 import lightspeed  # noqa: F401
 from _support.launch import REPO_ROOT, run_python
+from lightspeed.core.common.sizes import format_size
 from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config import NVME_PATH_ENV, ZERO_PRESETS
 from lightspeed.strategies import ZeroStrategy
@@ -106,11 +109,42 @@ def test_unknown_offload_target() -> None:
         ZeroStrategy(stage=2, offload_optimizer="gpu")
 
 
+TINY_FILESYSTEM = "4k"  # a tmpfs this size holds far less than the test model's NVMe offload
+
+
 @pytest.fixture(scope="module")
-def setup_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    out = tmp_path_factory.mktemp("zero_errors") / "errors.json"
-    run_python(SCRIPT, [out])
-    return json.loads(out.read_text())
+def setup_errors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    folder = tmp_path_factory.mktemp("zero_errors")
+    tiny = folder / "tiny"
+    tiny.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={TINY_FILESYSTEM}", "tmpfs", str(tiny)], capture_output=True
+    )
+    try:
+        run_python(SCRIPT, [folder / "errors.json", *([tiny] if mounted.returncode == 0 else [])])
+        errors = json.loads((folder / "errors.json").read_text())
+        errors["tiny"] = str(tiny)
+        errors["mount_error"] = mounted.stderr.decode().strip()
+        yield errors
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", str(tiny)], check=True)
+
+
+def test_an_nvme_path_too_small_is_one_error_before_step_one(setup_errors) -> None:
+    if "nvme_too_small" not in setup_errors:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {setup_errors['mount_error']}")
+    from _support.models import make_net
+
+    net = make_net()
+    elements = sum(p.numel() for p in net.parameters())
+    needed = elements * 4 + elements * (4 + 4 + 8)  # fp32 parameters, then fp32 weights, gradients and Adam moments
+    assert setup_errors["nvme_too_small"] == (
+        f"DeepSpeedConfigError: NVMe offload path {setup_errors['tiny']!r} has 4.00 KiB free, but this node's 1 "
+        f"process(es) will write about {format_size(needed)} there ({needed} bytes: the parameters and the fp32 "
+        "weights, gradients and optimizer moments of the trained ones). Free space there, choose another path "
+        "(nvme_path= or LIGHTSPEED_NVME_PATH), or train on more nodes."
+    )
 
 
 def test_two_optimizers(setup_errors) -> None:

@@ -1,4 +1,6 @@
-"""Worker: provoke the setup-time errors of ZeroStrategy in one process and record each message (type: text)."""
+"""Worker: provoke the setup-time errors of ZeroStrategy in one process and record each message (type: text).
+
+usage: zero_errors.py OUT [TINY_DIR]   (TINY_DIR: a directory on a filesystem too small for NVMe offload)"""
 
 from __future__ import annotations
 
@@ -88,6 +90,11 @@ def main() -> None:
             gradient_clip_val=1.0,
         ),
     }
+    if len(sys.argv) > 2:  # a directory on a filesystem far too small for the model's NVMe offload
+        results["nvme_too_small"] = attempt(
+            ZeroStrategy(stage=3, offload_optimizer="nvme", offload_parameters="nvme", nvme_path=sys.argv[2]),
+            RegressionModule(),
+        )
     out.write_text(json.dumps(results))
 
 

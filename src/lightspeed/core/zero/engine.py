@@ -34,6 +34,7 @@ from lightspeed.core.zero.config import config_offloads_optimizer, config_stage,
 from lightspeed.core.zero.cpu_optimizer import prepare_offloaded_optimizer, retarget_lr_scheduler
 from lightspeed.core.zero.frozen_fingerprint import FINGERPRINT_KEY, frozen_fingerprint
 from lightspeed.core.zero.leaf_modules import LeafModules
+from lightspeed.core.zero.nvme_space import check_nvme_space
 from lightspeed.core.zero.parameter_checks import check_shape_split_groups
 from lightspeed.core.zero.runtime import (
     async_io_problem,
@@ -129,6 +130,8 @@ def initialize_engine(
             )
         check_shape_split_groups(optimizer, model)
     check_adapter_targets(model)
+    world_size = torch.distributed.get_world_size() if is_distributed() else 1
+    check_nvme_space(model, config, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     (LeafModules() if leaf_modules is None else leaf_modules).mark(model, config)
     # the parameters an optimizer trains: the client's, or the one the config's "optimizer" section describes
     trains = optimizer is not None or isinstance(config.get("optimizer"), dict)
