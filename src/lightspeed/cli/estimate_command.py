@@ -46,6 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8,
         help="optimizer state per parameter: 8 for Adam/AdamW (default), 4 SGD+momentum, 0 SGD",
     )
+    parser.add_argument(
+        "--bf16-master-weights-and-grads",
+        action="store_true",
+        help="bf16 master weights and gradients instead of fp32 (the strategies' argument; bf16 precisions only)",
+    )
+    parser.add_argument(
+        "--bf16-optimizer-states",
+        action="store_true",
+        help="bf16 optimizer moments too (needs --bf16-master-weights-and-grads)",
+    )
     parser.add_argument("--device-memory", metavar="SIZE", help=DEVICE_MEMORY_HELP)
     parser.add_argument("--host-memory", metavar="SIZE", help=HOST_MEMORY_HELP)
     add_deprecated_alias(parser, "--gpu-memory", "--device-memory")
@@ -125,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         optimizer_state_bytes=args.optimizer_state_bytes,
         buffer_factor=args.buffer_factor,
         zero_init=args.zero_init,
+        bf16_master_weights_and_grads=args.bf16_master_weights_and_grads,
+        bf16_optimizer_states=args.bf16_optimizer_states,
     )
     margin = DEFAULT_SAFETY_MARGIN if args.safety_margin is None else args.safety_margin
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; stdout is for the result

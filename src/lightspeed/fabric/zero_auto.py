@@ -68,7 +68,8 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
             ``allgather_bucket_size``, ``prefetch_bucket_size``, ``param_persistence_threshold``, ``sub_group_size``;
             activation checkpointing: ``activation_checkpointing_policy``, ``partition_activations``,
             ``cpu_checkpointing``, ``contiguous_memory_optimization``, ``number_checkpoints``,
-            ``synchronize_checkpoint_boundary``, ``profile``; ``leaf_modules``, ``exclude_frozen_parameters``,
+            ``synchronize_checkpoint_boundary``, ``profile``; low-memory states: ``bf16_master_weights_and_grads``,
+            ``bf16_optimizer_states`` (counted by the plan); ``leaf_modules``, ``exclude_frozen_parameters``,
             ``load_full_weights``, ``node_local_storage``, ``compile``, ``compile_kwargs``, ``timeout``,
             ``logging_level``, ``process_group_backend``; and the ones Fabric sets: ``accelerator``,
             ``parallel_devices``, ``cluster_environment``, ``precision``. ``stage``, ``offload_optimizer`` and

@@ -94,6 +94,11 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         number_checkpoints: the checkpointed blocks in one forward pass (for ``contiguous_memory_optimization``).
         synchronize_checkpoint_boundary: synchronize the device at each checkpoint boundary (CUDA).
         profile: DeepSpeed's timing of the checkpointed forward and backward passes.
+        bf16_master_weights_and_grads: keep the master weights and their gradients in bf16 instead of fp32
+            (DeepSpeed's low-memory states; needs precision="bf16-mixed" or "bf16-true"): 4 bytes less per trained
+            parameter, at a cost in accuracy measured in ``bench/low_memory_states.py``.
+        bf16_optimizer_states: also keep the optimizer moments in bf16 (needs ``bf16_master_weights_and_grads``):
+            another 4 bytes less per trained parameter with Adam.
         config: DeepSpeed config dict or JSON path merged over the preset (its values win). ``"auto"`` is allowed
             wherever HF-style configs use it. Unknown keys and values that contradict Trainer arguments are errors.
         accelerator: Lightning's accelerator (set by the Trainer from ``Trainer(accelerator=...)``).
@@ -162,6 +167,8 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         number_checkpoints: int | None = None,
         synchronize_checkpoint_boundary: bool = False,
         profile: bool = False,
+        bf16_master_weights_and_grads: bool = False,
+        bf16_optimizer_states: bool = False,
         config: _PATH | dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,

@@ -77,7 +77,8 @@ class ZeroAutoStrategy(ZeroStrategy):
             (applied to whichever stage is chosen, where that stage has them); activation checkpointing:
             ``activation_checkpointing_policy``, ``partition_activations``, ``cpu_checkpointing``,
             ``contiguous_memory_optimization``, ``number_checkpoints``, ``synchronize_checkpoint_boundary``,
-            ``profile``; ``leaf_modules`` (marked when ZeRO-3 is chosen); ``exclude_frozen_parameters``,
+            ``profile``; low-memory states: ``bf16_master_weights_and_grads``, ``bf16_optimizer_states`` (counted by
+            the plan); ``leaf_modules`` (marked when ZeRO-3 is chosen); ``exclude_frozen_parameters``,
             ``load_full_weights``, ``sync_with_dataloader``, ``node_local_storage``, ``start_method``, ``compile``,
             ``compile_kwargs``, ``models``, ``timeout``, ``logging_level``, ``process_group_backend``; and the ones
             the Trainer sets: ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``precision_plugin``.

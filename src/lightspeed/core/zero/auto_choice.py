@@ -109,10 +109,17 @@ def choose_zero_option(
     precision: str,
     optimizer_state_bytes: int,
     safety_margin: float,
+    tuning: ZeroTuning | None = None,
 ) -> tuple[Plan, ZeroOption]:
-    """The memory plan for ``module`` and the fastest option that fits; raises :class:`MemoryPlanError` saying
-    what to change when none does."""
-    accounting = Accounting(precision=precision, optimizer_state_bytes=optimizer_state_bytes)
+    """The memory plan for ``module`` and the fastest option that fits (with the low-memory bf16 states ``tuning``
+    asks for); raises :class:`MemoryPlanError` saying what to change when none does."""
+    tuning = tuning or ZeroTuning()
+    accounting = Accounting(
+        precision=precision,
+        optimizer_state_bytes=optimizer_state_bytes,
+        bf16_master_weights_and_grads=tuning.bf16_master_weights_and_grads,
+        bf16_optimizer_states=tuning.bf16_optimizer_states,
+    )
     result = plan(count_parameters(module), cluster, budgets, accounting, safety_margin, ZERO_OPTIONS)
     if result.choice is None:
         raise MemoryPlanError(explain_no_fit(result))
@@ -197,7 +204,7 @@ class ZeroAutoRequest:
         budgets = agreed_budgets(measure_budgets(self.device_memory, self.host_memory, self.nvme_path, device=device))
         cluster = Cluster(devices_per_node=max(1, devices_per_node), nodes=max(1, nodes))
         result, option = choose_zero_option(
-            module, cluster, budgets, precision, self.optimizer_state_bytes, self.safety_margin
+            module, cluster, budgets, precision, self.optimizer_state_bytes, self.safety_margin, self.tuning
         )
         info(f"lightspeed zero_auto: memory plan\n{format_table(result)}")
         return ZeroAutoDecision(result, option, zero_auto_config(option, self.user_config, self.tuning, self.nvme_path))

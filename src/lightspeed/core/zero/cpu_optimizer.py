@@ -82,12 +82,15 @@ def _refuse_stepped(optimizer: torch.optim.Optimizer, target: str) -> None:
         )
 
 
-def to_deepspeed_cpu_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def to_deepspeed_cpu_optimizer(
+    optimizer: torch.optim.Optimizer, fp32_optimizer_states: bool = True
+) -> torch.optim.Optimizer:
     """The optimizer to run under optimizer offload in place of ``optimizer``.
 
-    ``Adam``/``AdamW`` become ``DeepSpeedCPUAdam`` and ``Adagrad`` becomes ``DeepSpeedCPUAdagrad`` when DeepSpeed's
-    kernels compute exactly what torch would; DeepSpeed's own CPU optimizers and every other torch optimizer are
-    returned unchanged (see :func:`runs_unfused`). Optimizers that cannot run on offloaded partitions raise
+    ``Adam``/``AdamW`` become ``DeepSpeedCPUAdam`` (with bf16 moments where ``fp32_optimizer_states`` is False: the
+    strategies' ``bf16_optimizer_states``) and ``Adagrad`` becomes ``DeepSpeedCPUAdagrad`` when DeepSpeed's kernels
+    compute exactly what torch would; DeepSpeed's own CPU optimizers and every other torch optimizer are returned
+    unchanged (see :func:`runs_unfused`). Optimizers that cannot run on offloaded partitions raise
     :class:`UnsupportedOffloadOptimizerError` naming what to use.
     """
     if is_deepspeed_cpu_optimizer(optimizer):
@@ -96,7 +99,7 @@ def to_deepspeed_cpu_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.
         if isinstance(optimizer, kind):
             raise UnsupportedOffloadOptimizerError(f"Optimizer offload cannot run `{type(optimizer).__name__}`: {why}")
     if _adam_convertible(optimizer):
-        return to_deepspeed_cpu_adam(optimizer)
+        return to_deepspeed_cpu_adam(optimizer, fp32_optimizer_states)
     if _adagrad_convertible(optimizer):
         return to_deepspeed_cpu_adagrad(optimizer)
     return optimizer
@@ -112,7 +115,8 @@ def prepare_offloaded_optimizer(
     any optimizer but its own CPU ones under offload. The caller retargets its LR scheduler when the optimizer
     changed (:func:`retarget_lr_scheduler`).
     """
-    converted = to_deepspeed_cpu_optimizer(optimizer)
+    bf16_states = bool((config.get("bf16") or {}).get("bf16_optimizer_states"))
+    converted = to_deepspeed_cpu_optimizer(optimizer, fp32_optimizer_states=not bf16_states)
     message = None
     if converted is not optimizer:
         message = describe_conversion(optimizer, converted)
@@ -156,7 +160,9 @@ def to_deepspeed_cpu_adagrad(optimizer: torch.optim.Optimizer) -> torch.optim.Op
     return DeepSpeedCPUAdagrad(groups, lr=defaults["lr"], eps=defaults["eps"], weight_decay=defaults["weight_decay"])
 
 
-def to_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def to_deepspeed_cpu_adam(
+    optimizer: torch.optim.Optimizer, fp32_optimizer_states: bool = True
+) -> torch.optim.Optimizer:
     """Return a ``DeepSpeedCPUAdam`` equivalent to ``optimizer`` (``torch.optim.Adam`` or ``AdamW``).
 
     ``AdamW`` maps to decoupled weight decay (``adamw_mode=True``), ``Adam`` to L2 weight decay. Param groups keep
@@ -191,6 +197,7 @@ def to_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
         eps=defaults["eps"],
         weight_decay=defaults["weight_decay"],
         adamw_mode=isinstance(optimizer, torch.optim.AdamW),
+        fp32_optimizer_states=fp32_optimizer_states,
     )
     return converted
 

@@ -161,6 +161,17 @@ class _Resolver:
                         f"{key}.enabled={_show(value)} in the DeepSpeed config, but "
                         + self.facts.argument("precision", f'"{precision}"')
                     )
+        low_memory = [
+            key
+            for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states")
+            if isinstance(cfg.get(bf16_key), dict) and cfg[bf16_key].get(key) is True
+        ]
+        if low_memory and precision not in BF16_PRECISIONS:
+            self.mismatches.append(
+                f"{' and '.join(low_memory)} keep training state in bf16, but "
+                + self.facts.argument("precision", f'"{precision}"')
+                + ' (they need precision="bf16-mixed" or "bf16-true")'
+            )
         if explicit.get("fp16") and explicit.get(bf16_key):
             self.mismatches.append(
                 f"fp16.enabled and {bf16_key}.enabled are both true in the DeepSpeed config, but DeepSpeed can use "

@@ -122,8 +122,15 @@ class ZeroTuning:
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
     activation_checkpointing_policy: Collection[type[torch.nn.Module]] | type[torch.nn.Module] | None = None
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
 
     def __post_init__(self) -> None:
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise DeepSpeedConfigError(
+                "bf16_optimizer_states=True keeps the optimizer moments in bf16 beside bf16 master weights; DeepSpeed "
+                "needs bf16_master_weights_and_grads=True with it. Pass both, or neither."
+            )
         object.__setattr__(
             self, "activation_checkpointing_policy", activation.checked_policy(self.activation_checkpointing_policy)
         )
@@ -139,6 +146,12 @@ class ZeroTuning:
     def _activation_arguments(self) -> dict[str, Any]:
         names = (*activation.AUTO_KEYS, *activation.FLAG_KEYS, activation.NUMBER_KEY)
         return {name: getattr(self, name) for name in names}
+
+    def low_memory_states(self) -> dict[str, bool]:
+        """The ``bf16`` section's low-memory keys asked for (DeepSpeed's bf16 master weights, gradients and
+        optimizer moments instead of fp32 ones; they need a bf16 precision, checked when the config is resolved)."""
+        keys = ("bf16_master_weights_and_grads", "bf16_optimizer_states")
+        return {key: True for key in keys if getattr(self, key)}
 
     def activation_checkpointing_section(self) -> dict[str, Any] | None:
         """The preset's ``activation_checkpointing`` section, or None when neither the policy nor an argument asks
@@ -177,6 +190,12 @@ def build_zero_config(
     optimizer_target = offload_target(offload_optimizer, "offload_optimizer")
     parameter_target = offload_target(offload_parameters, "offload_parameters")
     uses_nvme = "nvme" in (optimizer_target, parameter_target)
+    if tuning.bf16_master_weights_and_grads and not tuning.bf16_optimizer_states and optimizer_target == "none":
+        raise DeepSpeedConfigError(
+            "bf16_master_weights_and_grads=True without bf16_optimizer_states keeps the optimizer moments in fp32, "
+            "which DeepSpeed runs only with the optimizer offloaded (its CPU Adam): pass offload_optimizer='cpu' "
+            "(e.g. strategy='zero2_offload'), or bf16_optimizer_states=True to keep everything in bf16."
+        )
     user = load_user_config(config_or_environment(user_config))
     preset = zero_preset(
         stage,
@@ -188,6 +207,7 @@ def build_zero_config(
     checkpointing = tuning.activation_checkpointing_section()
     if checkpointing is not None:
         preset[activation.SECTION] = checkpointing
+    preset["bf16"].update(tuning.low_memory_states())
     check_zero_section(user)
     merged = merge_configs(preset, user)
     validate_keys(merged, front_end)

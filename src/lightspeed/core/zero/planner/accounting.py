@@ -112,8 +112,20 @@ class Accounting:
     nvme_param_buffer_size: int = 100_000_000
     nvme_optimizer_buffer_count: int = 4
     sub_group_size: int = 1_000_000_000
+    bf16_master_weights_and_grads: bool = False
+    """DeepSpeed's bf16 master weights and gradients (the strategies' argument of the same name): 2 bytes each."""
+    bf16_optimizer_states: bool = False
+    """DeepSpeed's bf16 optimizer moments: ``optimizer_state_bytes`` halved."""
 
     def __post_init__(self) -> None:
+        low_memory = self.bf16_master_weights_and_grads or self.bf16_optimizer_states
+        if low_memory and self.precision not in ("bf16-mixed", "bf16-true"):
+            raise MemoryPlanError(
+                f"bf16 master weights or optimizer states need a bf16 precision ('bf16-mixed' or 'bf16-true'), "
+                f"not {self.precision!r}."
+            )
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise MemoryPlanError("bf16 optimizer states need bf16 master weights and gradients too.")
         if self.precision not in _PARAM_BYTES:
             raise MemoryPlanError(
                 f"Unsupported precision {self.precision!r} for a ZeRO estimate: use one of "
@@ -128,6 +140,16 @@ class Accounting:
     def param_bytes(self) -> int:
         """Bytes of one model weight (and of one model gradient) in the training precision."""
         return _PARAM_BYTES[self.precision]
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes of one master weight, and of one gradient of the optimizer's partition: fp32, or bf16."""
+        return 2 if self.bf16_master_weights_and_grads else FP32_BYTES
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's moments per parameter."""
+        return self.optimizer_state_bytes // 2 if self.bf16_optimizer_states else self.optimizer_state_bytes
 
 
 @dataclass(frozen=True)
@@ -181,8 +203,8 @@ def estimate_option(
 ) -> OptionEstimate:
     """Memory per device, per host and on NVMe for ``option``."""
     total, largest = counts.total_params, counts.largest_layer_params
-    pb, ob = accounting.param_bytes, accounting.optimizer_state_bytes
-    master_and_states = FP32_BYTES + ob  # fp32 master weights + optimizer moments, per parameter
+    pb, ob, mb = accounting.param_bytes, accounting.state_bytes, accounting.master_bytes
+    master_and_states = mb + ob  # master weights (fp32, or bf16) + optimizer moments, per parameter
     per_device = total / cluster.total_devices  # a partition
     per_node = total / cluster.nodes  # the partitions of one node's processes
     g = cluster.devices_per_node
@@ -205,13 +227,13 @@ def estimate_option(
         # ZeRO-1 keeps full 16-bit gradients on every device; ZeRO-2 keeps only its partition
         grads16 = pb * total if option.stage == 1 else pb * per_device
         if option.offload_optimizer == "none":
-            dev_grads = grads16 + FP32_BYTES * per_device
+            dev_grads = grads16 + mb * per_device
             dev_optimizer = master_and_states * per_device
         elif option.offload_optimizer == "cpu":
             # gradients stream to the host bucket by bucket; fp32 gradients and the optimizer live there
             dev_grads = 0 if option.stage == 2 else grads16
             dev_optimizer = 0
-            host_grads = FP32_BYTES * per_node
+            host_grads = mb * per_node
             host_optimizer = master_and_states * per_node
         else:
             raise MemoryPlanError(
@@ -230,12 +252,12 @@ def estimate_option(
         if optimizer_on_device:
             # DeepSpeed's ZeRO-3 estimate counts 18 bytes per partitioned parameter in mixed precision: the 16-bit
             # weight, 4 bytes of gradient (reduced straight into the partition) and 12 of fp32 weight and moments
-            dev_grads += FP32_BYTES * per_device
+            dev_grads += mb * per_device
             dev_optimizer = master_and_states * per_device
         if option.offload_parameters == "cpu":
             host_params = pb * per_node
         if option.offload_optimizer == "cpu":
-            host_grads = FP32_BYTES * per_node
+            host_grads = mb * per_node
             host_optimizer = master_and_states * per_node
         if option.offload_optimizer == "nvme":
             # DeepSpeed's swappers keep pinned buffers: one set for parameters, one (fp32 weights, gradient and
@@ -243,7 +265,7 @@ def estimate_option(
             host_params = g * accounting.nvme_param_buffer_count * accounting.nvme_param_buffer_size * pb
             sub_group = min(accounting.sub_group_size, math.ceil(per_device))
             host_optimizer = g * accounting.nvme_optimizer_buffer_count * FP32_BYTES * sub_group
-            nvme = (pb + FP32_BYTES + master_and_states) * per_node
+            nvme = (pb + mb + master_and_states) * per_node
         elif option.offload_parameters == "nvme":
             raise MemoryPlanError(f"{option.name}: NVMe parameter offload needs NVMe optimizer offload too.")
     else:
