@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightspeed.core.checkpoint.hf_config import HFConfigFiles
 from lightspeed.core.checkpoint.lightning_file_reader import LightningFileCheckpoint, read_lightning_file
 from lightspeed.core.checkpoint.options import ExportOptions
 from lightspeed.core.checkpoint.plan import OutputTensor, output_dtype, safetensors_metadata, select_keys
@@ -19,7 +20,13 @@ from lightspeed.core.errors import CheckpointError, ExportError
 from lightspeed.core.peft.layout import ADAPTER_WEIGHTS, AdapterLayout
 from lightspeed.core.reliability.staging import check_output_dir, several_models_in, staged_output
 
-__all__ = ["ExportResult", "export_checkpoint_path", "export_lightning_file", "export_zero_checkpoint"]
+__all__ = [
+    "ExportResult",
+    "export_checkpoint_path",
+    "export_lightning_file",
+    "export_zero_checkpoint",
+    "write_export_files",
+]
 
 
 @dataclass
@@ -209,11 +216,24 @@ def _write_export(
     ]
     metadata = safetensors_metadata(aliases, options.torch_dtype, source_info)
     with reader, staged_output(output_dir, options.overwrite) as staging:
-        if adapter is not None:
-            files = write_shards(staging, tensors, None, metadata, progress, file_name=ADAPTER_WEIGHTS)
-            files += adapter.write_config(staging)
-        else:
-            files = write_shards(staging, tensors, options.max_shard_bytes, metadata, progress)
-            if options.hf_files is not None:
-                files += options.hf_files.write(staging)
+        files = write_export_files(staging, tensors, metadata, options, adapter, options.hf_files, progress)
     return ExportResult.of(output_dir, files, tensors, aliases, checkpoint.skipped)
+
+
+def write_export_files(
+    staging: Path,
+    tensors: list[OutputTensor],
+    metadata: dict[str, str],
+    options: ExportOptions,
+    adapter: AdapterLayout | None,
+    hf_files: HFConfigFiles | None,
+    progress: Progress | None = None,
+) -> list[str]:
+    """Write an export's files into ``staging``: an adapter's one ``adapter_model.safetensors`` and its config where
+    ``adapter`` is given, else the shards and ``hf_files``; returns the names written. Shared by the checkpoint and
+    live-engine exports."""
+    if adapter is not None:
+        files = write_shards(staging, tensors, None, metadata, progress, file_name=ADAPTER_WEIGHTS)
+        return files + adapter.write_config(staging)
+    files = write_shards(staging, tensors, options.max_shard_bytes, metadata, progress)
+    return files + (hf_files.write(staging) if hf_files is not None else [])

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightspeed.core.checkpoint.exporter import ExportResult
+from lightspeed.core.checkpoint.exporter import ExportResult, write_export_files
 from lightspeed.core.checkpoint.hf_config import HFConfigFiles, find_hf_config
 from lightspeed.core.checkpoint.options import ExportOptions
 from lightspeed.core.checkpoint.plan import (
@@ -28,10 +28,10 @@ from lightspeed.core.checkpoint.plan import (
     select_keys,
     wrapper_unwrapper,
 )
-from lightspeed.core.checkpoint.safetensors_writer import drain, write_shards
+from lightspeed.core.checkpoint.safetensors_writer import drain
 from lightspeed.core.common.distributed import global_rank, is_distributed, raise_on_every_rank
 from lightspeed.core.errors import ExportError
-from lightspeed.core.peft.layout import ADAPTER_WEIGHTS, AdapterLayout, adapter_layouts
+from lightspeed.core.peft.layout import AdapterLayout, adapter_layouts
 from lightspeed.core.peft.merged import merged_tensors
 from lightspeed.core.reliability.staging import check_output_dir_on_every_rank, staged_output
 
@@ -258,13 +258,7 @@ def _write_selection(
     failure: BaseException | None = None
     try:
         with staged_output(output_dir, options.overwrite) as staging:
-            if adapter is not None:
-                files = write_shards(staging, tensors, None, metadata, file_name=ADAPTER_WEIGHTS)
-                files += adapter.write_config(staging)
-            else:
-                files = write_shards(staging, tensors, options.max_shard_bytes, metadata)
-                if hf_files is not None:
-                    files += hf_files.write(staging)
+            files = write_export_files(staging, tensors, metadata, options, adapter, hf_files)
     except BaseException as error:
         # the other ranks are waiting in the collectives of the remaining tensors: take part, then fail everywhere
         failure = error

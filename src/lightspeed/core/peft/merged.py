@@ -58,7 +58,7 @@ def merged_tensors(module: torch.nn.Module) -> tuple[list[MergedTensor], Any]:
     if len(models) != 1:
         found = f"{len(models)} PEFT models" if models else "no PEFT model"
         raise ExportError(f"peft='merged' merges the adapters of one PEFT model; the model holds {found}")
-    ((path, peft_model),) = models.items()
+    (peft_model,) = models.values()
     for adapter, config in peft_model.peft_config.items():
         _check_mergeable(adapter, config)
     base = peft_model.get_base_model()
@@ -75,10 +75,9 @@ def merged_tensors(module: torch.nn.Module) -> tuple[list[MergedTensor], Any]:
             layer, source = sub, sub.get_base_layer()
         dot = f"{name}." if name else ""
         for local, value in source.state_dict(keep_vars=True).items() if layer is not None else _own_tensors(sub):
-            if id(value) not in key_of:  # not a state_dict entry of the module (tied twice: the first name holds it)
+            if id(value) not in key_of:  # not saved by the module's state_dict: not part of the merged model either
                 continue
             tensors.append(MergedTensor(dot + local, key_of[id(value)], layer if local == "weight" else None))
-    del path
     return tensors, base
 
 

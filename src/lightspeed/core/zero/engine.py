@@ -188,7 +188,7 @@ def save_zero_checkpoint(
     ``target`` (see :class:`StagedCheckpointSaver`)."""
 
     exclude = resolve_frozen_exclusion(exclude_frozen_parameters, engine.module)
-    client_state = _with_fingerprint(client_state, engine, exclude)
+    client_state = _with_checkpoint_extras(client_state, engine, exclude)
 
     def write(staging: Path) -> None:
         _engine_save(engine, staging, client_state, exclude)
@@ -219,7 +219,7 @@ def save_models_checkpoint(
     names = list(engines)
     exclude = any(resolve_frozen_exclusion(exclude_frozen_parameters, engines[name].module) for name in names)
     states = [
-        _with_fingerprint(client_state if index == 0 else {}, engines[name], exclude)
+        _with_checkpoint_extras(client_state if index == 0 else {}, engines[name], exclude)
         for index, name in enumerate(names)
     ]
 
@@ -234,7 +234,7 @@ def save_models_checkpoint(
     return saver.save(target, write, manifest=manifest, extra_files=extra_files)
 
 
-def _with_fingerprint(client_state: dict[str, Any], engine: Any, exclude: bool) -> dict[str, Any]:
+def _with_checkpoint_extras(client_state: dict[str, Any], engine: Any, exclude: bool) -> dict[str, Any]:
     """``client_state`` plus, when the save leaves frozen parameters out, their fingerprint (checked on resume), and
     the adapter layouts of a PEFT model (so that ``lightspeed export`` writes PEFT's layout from the files)."""
     extras: dict[str, Any] = {}
