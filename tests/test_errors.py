@@ -14,6 +14,7 @@ from lightspeed.core import errors as core_errors
 
 BUILT_IN = {
     "AdapterTargetError": ValueError,
+    "SequenceParallelError": ValueError,
     "CheckpointError": ValueError,
     "ExportError": ValueError,
     "DeepSpeedConfigError": ValueError,
@@ -24,6 +25,7 @@ BUILT_IN = {
     "CollectiveTimeoutError": RuntimeError,
     "RankLostError": RuntimeError,
     "UnevenEvaluationError": RuntimeError,
+    "ModelChangedError": RuntimeError,
     "CudaInitializedError": RuntimeError,
     "GatherError": RuntimeError,
     "CallSiteMismatchError": RuntimeError,

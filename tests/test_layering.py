@@ -52,6 +52,7 @@ CORE_LEVELS: dict[str, int] = {
     "xla": 1,
     "reliability": 2,
     "peft": 2,
+    "sequence_parallel": 2,
     "checkpoint": 3,
     "zero": 4,
 }

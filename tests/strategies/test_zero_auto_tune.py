@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from _support.launch import REPO_ROOT, run_torchrun
 from _support.models import RegressionModule, make_regression_data
-from lightspeed.core.errors import MemoryPlanError
+from lightspeed.core.errors import DeepSpeedConfigError, MemoryPlanError
 from lightspeed.core.zero.tuner import TuneRequest, first_batches, micro_batch_choices, rebatched
 from lightspeed.core.zero.tuner.decision import TUNE_MARGIN
 from lightspeed.strategies.zero_auto import ZeroAutoStrategy
@@ -121,6 +121,10 @@ def test_tuning_arguments_are_checked_when_the_strategy_is_made() -> None:
     # a name zero_auto cannot choose (a strategy name the planner has no option for) fails here, not during fit
     with pytest.raises(MemoryPlanError, match=r"^tune_options names zero1_offload, which zero_auto does not know; "):
         ZeroAutoStrategy(tune=True, tune_options=["zero1", "zero1_offload"])
+    # trials run whole batches, which sequence parallelism would split
+    with pytest.raises(DeepSpeedConfigError, match=r"^zero_auto's tune=True measures training steps on whole batches"):
+        ZeroAutoStrategy(tune=True, sequence_parallel_size=2)
+    assert ZeroAutoStrategy(sequence_parallel_size=2)._session.sequence_parallel.size == 2
 
 
 def test_micro_batch_sizes_are_measured_and_a_chosen_one_rebatches_the_run_like_an_untuned_run(

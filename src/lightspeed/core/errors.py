@@ -26,7 +26,9 @@ __all__ = [
     "IncompleteCheckpointError",
     "LightspeedError",
     "MemoryPlanError",
+    "ModelChangedError",
     "RankLostError",
+    "SequenceParallelError",
     "StepOutputError",
     "UnevenEvaluationError",
     "UnsupportedOffloadOptimizerError",
@@ -73,6 +75,11 @@ class RankLostError(CollectiveTimeoutError):
     :class:`CollectiveTimeoutError`, so one ``except`` serves both ways a job stops making progress."""
 
 
+class ModelChangedError(LightspeedError, RuntimeError):
+    """Evaluation after ``fit`` would run the training engine's weights, but the LightningModule now holds other
+    parameters (``configure_model`` built the model again): the trained weights would not be the ones evaluated."""
+
+
 class UnevenEvaluationError(LightspeedError, RuntimeError):
     """Ranks would run different numbers of evaluation batches on a ZeRO-3 model that cannot be gathered whole, so a
     rank that runs out of batches would leave the others waiting in their next forward pass."""
@@ -92,6 +99,11 @@ class IncompleteCheckpointError(CheckpointError, RuntimeError):
 
 class AdapterTargetError(LightspeedError, ValueError):
     """A PEFT adapter names a target module the model does not have (peft would train fewer adapters silently)."""
+
+
+class SequenceParallelError(LightspeedError, ValueError):
+    """Sequence parallelism cannot split this run: the world, the model's attention or heads, or a batch do not
+    divide over ``sequence_parallel_size`` ranks (or the run uses something sequence parallelism cannot keep exact)."""
 
 
 class ExportError(LightspeedError, ValueError):

@@ -50,6 +50,7 @@ from lightspeed.core.zero.runtime import zero_device_kind
 from lightspeed.core.zero.session import ZeroConfigProperties, ZeroSession
 from lightspeed.fabric.compile_takeover import FabricCompileTakeover
 from lightspeed.fabric.process_group import ProcessGroupMixin
+from lightspeed.fabric.sequence_parallel import SequenceParallelMixin
 from lightspeed.fabric.zero_checkpoints import ZeroCheckpointsMixin
 from lightspeed.fabric.zero_engine import ZeroEngineMixin
 from lightspeed.fabric.zero_models import ZeroModelsMixin
@@ -77,6 +78,7 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
     ZeroEngineMixin,
     ZeroConfigProperties,
     ProcessGroupMixin,
+    SequenceParallelMixin,
     ZeroModelsMixin,
     ZeroStepMixin,
     ZeroCheckpointsMixin,
@@ -143,6 +145,9 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
             engine is built: ``"auto"``, the model's mixture-of-experts blocks (ranks whose tokens reach different
             experts stay in step), else module classes, class names or ends of module names, or ``None``; as for the
             Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
+        sequence_parallel_size: split every sequence over groups of this many ranks, as for the Trainer's
+            :class:`~lightspeed.strategies.ZeroStrategy`: the loaders of ``fabric.setup_dataloaders`` yield each
+            rank's slice, and the loop calls ``model(**batch)`` with it. 1 (default): off.
         **unsupported: none is taken: a keyword the Fabric strategy does not take (e.g. ``sync_with_dataloader``,
             ``offload_params_device``) is a ``TypeError`` saying what to use instead.
     """
@@ -182,6 +187,7 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
         compile: bool = False,
         compile_kwargs: dict[str, Any] | None = None,
         leaf_modules: Collection[type[Module] | str] | type[Module] | str | None = "auto",
+        sequence_parallel_size: int = 1,
         **unsupported: Any,
     ) -> None:
         refuse_unknown_keywords(type(self).__name__, unsupported, ZeroFabricStrategy, "Fabric")

@@ -42,6 +42,7 @@ from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationM
 from lightspeed.strategies.launchers import check_start_method, fork_launcher_if_wanted
 from lightspeed.strategies.process_group import ProcessGroupMixin
 from lightspeed.strategies.resumable_data import ResumableDataMixin
+from lightspeed.strategies.sequence_parallel import SequenceParallelMixin
 from lightspeed.strategies.zero_checkpoints import ZeroCheckpointsMixin
 from lightspeed.strategies.zero_engine import ZeroEngineMixin
 from lightspeed.strategies.zero_models import ZeroModelsMixin
@@ -59,6 +60,7 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
     CompileTakeoverMixin,
     ProcessGroupMixin,
     ResumableDataMixin,
+    SequenceParallelMixin,
     DeepSpeedExactAccumulationMixin,
     ZeroModelsMixin,
     ZeroCheckpointsMixin,
@@ -141,6 +143,12 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
             have), so ranks whose tokens reach different experts stay in step. Otherwise the modules to mark instead:
             module classes, class names or the ends of module names (``{MoeBlock}``, ``["Qwen3MoeSparseMoeBlock"]``,
             ``["mlp"]``); each must name a module of the model. ``None``: none. ZeRO-3 only.
+        sequence_parallel_size: split every sequence over groups of this many ranks (DeepSpeed's Ulysses attention,
+            for a HuggingFace causal LM built with ``attn_implementation="sdpa"`` or flash attention): the ranks of a
+            group read the same rows, each trains on its slice of their sequences (padded on the right to a
+            multiple of the size, labels shifted over the whole sequence), and the model's loss is the token mean of
+            the whole micro-batch on every rank. ``training_step`` calls ``model(**batch)`` with the batch it is
+            given. 1 (default): off. See ``docs/long_context.md``.
         **unsupported: none is taken: a keyword of Lightning's ``DeepSpeedStrategy`` that lightspeed does not take
             (e.g. ``offload_params_device``, ``logging_batch_size_per_gpu``) is a ``TypeError`` saying what to use
             instead.
@@ -186,6 +194,7 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         compile_kwargs: dict[str, Any] | None = None,
         models: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
         leaf_modules: Collection[type[torch.nn.Module] | str] | type[torch.nn.Module] | str | None = "auto",
+        sequence_parallel_size: int = 1,
         **unsupported: Any,
     ) -> None:
         refuse_unknown_keywords(type(self).__name__, unsupported, ZeroStrategy, "Trainer")

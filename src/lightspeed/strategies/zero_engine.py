@@ -17,7 +17,12 @@ from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.activation_checkpointing import configure_deepspeed_checkpointing
 from lightspeed.core.zero.engine import one_optimizer_error
 from lightspeed.core.zero.generation import keep_generation_in_step
-from lightspeed.core.zero.parameter_checks import check_parameters_for_zero, check_partitions_kept
+from lightspeed.core.zero.parameter_checks import (
+    check_parameters_for_zero,
+    check_partitions_kept,
+    check_same_parameters,
+    parameter_ids,
+)
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies.several_models import SEVERAL_MODELS_HINT
 
@@ -42,6 +47,7 @@ class ZeroEngineMixin(_ZeroStrategyBase):
     """The engine construction of :class:`~lightspeed.strategies.ZeroStrategy` (its first base)."""
 
     _train_engine: deepspeed.DeepSpeedEngine | None
+    _trained_parameters: tuple[int, ...] = ()  # the parameters the training engine was built with
 
     # ------------------------------------------------------------------ config resolution
     def _trained_micro_batch(self) -> int | None:
@@ -130,11 +136,14 @@ class ZeroEngineMixin(_ZeroStrategyBase):
         reusable = self._train_engine is not None and self._train_engine.module is self.lightning_module
         if not trainer.training and reusable:
             # validate/test/predict after fit: the training engine already holds the (sharded) weights
+            stage = trainer.state.fn.value if trainer.state.fn is not None else "evaluation"
+            check_same_parameters(self._trained_parameters, self._module(), stage)
             self.model = self._train_engine
             return
         super().init_deepspeed()
         if trainer.training:
             self._train_engine = self.model
+            self._trained_parameters = parameter_ids(self._module())
 
     @override
     def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:

@@ -110,13 +110,15 @@ def initialize_engine(
     device_index: int | None,
     local_rank: int,
     leaf_modules: LeafModules | None = None,
+    mpu: Any = None,
 ) -> tuple[Any, Any, Any]:
     """``deepspeed.initialize`` on an existing process group; returns ``(engine, optimizer, lr_scheduler)``. Without
     a client ``optimizer`` DeepSpeed builds the one (and the scheduler) the config's sections describe, if any.
 
     ``device_index`` is the root device's CUDA index (None on the CPU, where the local rank is used). Under ZeRO-3 the
     ``leaf_modules`` (the strategy's argument; None: the mixture-of-experts blocks found) are marked first: DeepSpeed
-    reads the flag while it hooks the model, and without it ranks routing to different experts fall out of step."""
+    reads the flag while it hooks the model, and without it ranks routing to different experts fall out of step.
+    ``mpu``: DeepSpeed's sequence-parallel groups (None without sequence parallelism)."""
     import deepspeed
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -142,6 +144,7 @@ def initialize_engine(
         model_parameters=trainable if trains else [],
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
+        mpu=mpu,
         dist_init_required=False,
     )
     if trains and config_stage(config) != 3:

@@ -7,6 +7,9 @@
 * param groups split by shape over ZeRO-3 partitions (nanoGPT's ``p.dim() >= 2`` weight-decay split in
   ``configure_optimizers`` for a model built in ``configure_model``): a partition is flat, so every parameter lands
   in the no-decay group and the decay group stays empty, silently.
+
+And, for evaluation that reuses the training engine, parameters that are no longer the ones it trained
+(:func:`check_same_parameters`).
 """
 
 from __future__ import annotations
@@ -14,9 +17,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightspeed.core.errors import DeepSpeedConfigError
+from lightspeed.core.errors import DeepSpeedConfigError, ModelChangedError
 
-__all__ = ["check_parameters_for_zero", "check_partitions_kept", "check_shape_split_groups"]
+__all__ = [
+    "check_parameters_for_zero",
+    "check_partitions_kept",
+    "check_same_parameters",
+    "check_shape_split_groups",
+    "parameter_ids",
+]
 
 
 def _listed(names: list[str]) -> str:
@@ -94,3 +103,21 @@ def check_partitions_kept(module: nn.Module, built_under: str, instead: str) -> 
             f"{instead} (ZeRO-3 then partitions it when the engine is built), or create or deep-copy those layers "
             "instead."
         )
+
+
+def parameter_ids(module: nn.Module) -> tuple[int, ...]:
+    """The identities of ``module``'s parameters, in order (what :func:`check_same_parameters` compares)."""
+    return tuple(id(param) for param in module.parameters())
+
+
+def check_same_parameters(trained: tuple[int, ...], module: nn.Module, stage: str) -> None:
+    """Raise :class:`ModelChangedError` when ``module`` no longer holds the parameters the training engine was built
+    with (``trained``, from :func:`parameter_ids`): ``stage`` (validate, test, predict) would run new ones, never
+    trained, through an engine that does not know them."""
+    if parameter_ids(module) == trained:
+        return
+    raise ModelChangedError(
+        f"{type(module).__name__} holds other parameters than the ones fit trained, so {stage} would not evaluate "
+        "the trained weights. Lightning calls configure_model again for every stage: return early when the model "
+        "already exists (`if getattr(self, 'model', None) is not None: return`)."
+    )

@@ -10,6 +10,7 @@ rank-zero logger).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from lightspeed.core.common.process import ProcessPlace
 from lightspeed.core.reliability.launched_world import check_launched_world, external_launcher
 from lightspeed.core.reliability.node_local import describe_position, node_local_path
 from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
+from lightspeed.core.sequence_parallel import SequenceParallel
 from lightspeed.core.zero import third_party_warnings
 from lightspeed.core.zero.accumulation import clip_norm_at_step, scale_deepspeed_gradients_at_step
 from lightspeed.core.zero.activation_checkpointing import apply_policy
@@ -70,6 +72,7 @@ class ZeroSession:
         info: the front end's rank-zero logger.
         leaf_modules: the modules marked as ZeRO-3 leaf modules in every engine's model (default: the
             mixture-of-experts blocks found).
+        sequence_parallel_size: ranks that split each sequence (Ulysses attention; 1: off).
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class ZeroSession:
         front_end: str,
         info: Callable[[str], None],
         leaf_modules: LeafModules | None = None,
+        sequence_parallel_size: int = 1,
     ) -> None:
         if node_local_storage:
             config.setdefault("checkpoint", {})["use_node_local_storage"] = True
@@ -91,6 +95,7 @@ class ZeroSession:
         self.compiled_with: CompileRequest | None = None  # what the last engine was compiled with
         self.activation_checkpointing_policy = activation_checkpointing_policy
         self.leaf_modules = LeafModules() if leaf_modules is None else leaf_modules
+        self.sequence_parallel = SequenceParallel(sequence_parallel_size)
         if exclude_frozen_parameters != "auto" and not isinstance(exclude_frozen_parameters, bool):
             raise ValueError(
                 f"exclude_frozen_parameters must be True, False or 'auto', got {exclude_frozen_parameters!r}"
@@ -115,7 +120,8 @@ class ZeroSession:
     ) -> ZeroSession:
         """The session of a front end built with ``arguments`` (its constructor's, by name; left out: the defaults):
         ``compile``, ``compile_kwargs``, ``activation_checkpointing_policy`` (already parsed), ``leaf_modules`` (checked
-        here: a bad one fails when the strategy is created), ``node_local_storage`` and ``exclude_frozen_parameters``.
+        here: a bad one fails when the strategy is created), ``node_local_storage``,
+        ``exclude_frozen_parameters`` and ``sequence_parallel_size``.
         ``owner`` names the strategy class in messages."""
         return cls(
             config,
@@ -126,6 +132,7 @@ class ZeroSession:
             front_end=front_end,
             info=info,
             leaf_modules=LeafModules.of(arguments.get("leaf_modules", AUTO)),
+            sequence_parallel_size=arguments.get("sequence_parallel_size", 1),
         )
 
     @property
@@ -135,9 +142,10 @@ class ZeroSession:
 
     # ------------------------------------------------------------------ before any process starts, in each process
     def check_before_launch(self, device_kind: str, precision: str, launch: ProcessPlace) -> None:
-        """What must fail before any process starts (precision, compilation, the launched world's layout), and the
-        environment every rank inherits (DeepSpeed's accelerator)."""
+        """What must fail before any process starts (precision, compilation, the launched world's layout, its split
+        into sequence-parallel groups), and the environment every rank inherits (DeepSpeed's accelerator)."""
         check_precision_supported(device_kind, precision)
+        self.sequence_parallel.check_world(launch.num_nodes * launch.num_processes)
         if self.compile_request is not None:
             check_compile_supported(self.compile_request, self.config, device_kind)
         export_deepspeed_accelerator(device_kind)
@@ -153,13 +161,17 @@ class ZeroSession:
         prepare_deepspeed_process(device_kind, config_uses_nvme(self.config))
 
     def end_process(self) -> None:
-        """Undo :meth:`start_process`'s warning filter (the front end's teardown)."""
+        """Undo :meth:`start_process`'s warning filter and the sequence-parallel attention (the front end's
+        teardown)."""
         third_party_warnings.uninstall()
+        self.sequence_parallel.remove()
 
     # ------------------------------------------------------------------ config
     def resolve(self, config: dict[str, Any], facts: TrainingFacts) -> list[str]:
         """Make ``config`` with its ``"auto"`` values resolved from ``facts`` the config in force; returns the notes
-        to log (:meth:`log_config`)."""
+        to log (:meth:`log_config`). Under sequence parallelism DeepSpeed's batch arithmetic counts data-parallel
+        groups, not ranks."""
+        facts = dataclasses.replace(facts, world_size=self.sequence_parallel.data_parallel_size(facts.world_size))
         self.config, notes = resolve_config_with_notes(config, facts)
         return notes
 
@@ -226,7 +238,7 @@ class ZeroSession:
     ) -> tuple[Any, Any, Any]:
         """``(engine, optimizer, scheduler)`` for ``model`` under ``config`` (default: the config in force), on this
         process's device: the activation checkpointing policy applied first when ``training``, ZeRO-3 leaf modules
-        marked, compiled when asked."""
+        marked, compiled when asked; under sequence parallelism Ulysses attention installed on the model first."""
         if self._placement is None:
             raise RuntimeError("ZeroSession.build_engine runs in a process set up by start_process")
         device_kind, device_index, local_rank = self._placement
@@ -236,8 +248,10 @@ class ZeroSession:
             if message is not None:
                 self._info(message)
         self.prepare_compile(model, config, device_kind)
+        self.sequence_parallel.check_config(config)
+        mpu = self.sequence_parallel.install(model)
         engine, deepspeed_optimizer, deepspeed_scheduler = initialize_engine(
-            config, model, optimizer, scheduler, device_index, local_rank, self.leaf_modules
+            config, model, optimizer, scheduler, device_index, local_rank, self.leaf_modules, mpu=mpu
         )
         self.compile(engine)
         return engine, deepspeed_optimizer, deepspeed_scheduler

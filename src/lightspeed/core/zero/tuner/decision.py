@@ -17,7 +17,7 @@ import torch
 
 from lightspeed.core.common.distributed import global_rank, is_distributed
 from lightspeed.core.common.process import ProcessPlace
-from lightspeed.core.errors import MemoryPlanError
+from lightspeed.core.errors import DeepSpeedConfigError, MemoryPlanError
 from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.config import AUTO
 from lightspeed.core.zero.planner import ZERO_OPTIONS, Plan
@@ -349,4 +349,9 @@ def zero_auto_requests(arguments: Mapping[str, Any], front_end: str) -> tuple[Ze
         front_end=front_end,
     )
     tune_request.check_config(request.user_config)
+    if tune_request.tune and arguments["kwargs"].get("sequence_parallel_size", 1) != 1:
+        raise DeepSpeedConfigError(
+            "zero_auto's tune=True measures training steps on whole batches, which sequence_parallel_size > 1 "
+            "splits: leave tune off (the planner still chooses the ZeRO option), or tune without sequence parallelism."
+        )
     return request, tune_request

@@ -1,0 +1,103 @@
+"""What a front end asks of sequence parallelism (:class:`SequenceParallel`): the layout checks before any process
+starts, the sampler's ranks, the data-parallel size DeepSpeed's batch arithmetic uses, the installation on the model
+before its engine is built, each batch's slice and the gradient factor ZeRO-3 needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightspeed.core.errors import SequenceParallelError
+from lightspeed.core.sequence_parallel.batch import shard_batch
+from lightspeed.core.sequence_parallel.ulysses import UlyssesInstallation
+
+__all__ = ["SequenceParallel"]
+
+
+class SequenceParallel:
+    """Ulysses sequence parallelism over groups of ``size`` consecutive ranks (1: off, every method a no-op).
+
+    The world is ``data-parallel x sequence-parallel``: rank ``r`` is position ``r % size`` of data-parallel group
+    ``r // size``; the ranks of one group read the same rows and each trains on its slice of their sequences."""
+
+    def __init__(self, size: int = 1) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise SequenceParallelError(f"sequence_parallel_size must be a whole number >= 1, got {size!r}.")
+        self.size = size
+        self._installed: UlyssesInstallation | None = None
+        self._model: torch.nn.Module | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether sequences are split (``size > 1``)."""
+        return self.size > 1
+
+    # ------------------------------------------------------------------ layout
+    def check_world(self, world_size: int) -> None:
+        """Refuse a world that does not split into whole groups (before any process starts)."""
+        if self.enabled and world_size % self.size:
+            raise SequenceParallelError(
+                f"sequence_parallel_size={self.size} splits the world into groups of {self.size} ranks, but the run "
+                f"has {world_size} process(es): use a number of devices x nodes divisible by {self.size}."
+            )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel groups (distinct rows per step): what DeepSpeed's batch arithmetic counts."""
+        return world_size // self.size
+
+    def sampler_kwargs(self, world_size: int, rank: int) -> dict[str, int]:
+        """``DistributedSampler`` arguments: one replica per data-parallel group, the same rows for its ranks."""
+        return {"num_replicas": self.data_parallel_size(world_size), "rank": rank // self.size}
+
+    def check_config(self, config: dict[str, Any]) -> None:
+        """Refuse ZeRO-3 reduction paths whose gradient averaging differs per bucket under sequence parallelism."""
+        zero = config.get("zero_optimization", {})
+        if not self.enabled or zero.get("stage", 0) != 3:
+            return
+        off = [key for key in ("reduce_scatter", "contiguous_gradients") if zero.get(key, True) is False]
+        if off:
+            raise SequenceParallelError(
+                f"ZeRO-3 with {', '.join(f'{key}=false' for key in off)} averages some gradient buckets over the "
+                "data-parallel groups and others over every rank when sequences are split, and no loss scale makes "
+                "both right: leave them at their defaults (true) with sequence_parallel_size > 1."
+            )
+
+    def gradient_factor(self, config: dict[str, Any]) -> float:
+        """What each rank's loss is multiplied by before backward: ZeRO-3's reduce-scatter averages the gradients
+        over every rank, ZeRO-1/2 over the data-parallel groups (a group's ranks each hold part of one gradient)."""
+        if self.enabled and config.get("zero_optimization", {}).get("stage", 0) == 3:
+            return float(self.size)
+        return 1.0
+
+    # ------------------------------------------------------------------ the model
+    def install(self, model: torch.nn.Module) -> Any:
+        """Install Ulysses attention and the whole-sequence loss on ``model`` (a collective: every rank, before its
+        engine is built); returns the ``mpu`` DeepSpeed's engine takes (None when off)."""
+        if not self.enabled:
+            return None
+        if self._installed is not None and self._installed.owns(model):
+            return self._installed.mpu
+        self.remove()
+        self._installed = UlyssesInstallation(model, self.size)
+        self._model = model
+        return self._installed.mpu
+
+    def remove(self) -> None:
+        """Undo :meth:`install` (the front end's teardown); :meth:`shard` installs again if the model runs on."""
+        if self._installed is not None:
+            self._installed.remove()
+            self._installed = None
+
+    # ------------------------------------------------------------------ each batch
+    def shard(self, batch: Any) -> Any:
+        """This rank's slice of ``batch`` (unchanged when off). Installs again on the model of the last
+        :meth:`install` when the front end's teardown removed it and the engine runs on (evaluation after fit)."""
+        if not self.enabled:
+            return batch
+        if self._installed is None:
+            if self._model is None:
+                raise SequenceParallelError("a batch was split before the model's engine was built")
+            self.install(self._model)
+        assert self._installed is not None
+        return shard_batch(batch, self._installed.rank, self.size, self._installed.pad_token_id)

@@ -1,0 +1,65 @@
+"""Fabric's side of sequence parallelism (``ZeroFabricStrategy(sequence_parallel_size=N)``): the session's
+:class:`~lightspeed.core.sequence_parallel.SequenceParallel` asked for the sampler's ranks, for each batch of the
+loaders ``fabric.setup_dataloaders`` returns, and for the loss before backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import override
+
+from lightspeed.fabric.mixin_bases import DeepSpeedStrategyBase
+
+if TYPE_CHECKING:
+    from lightspeed.core.zero.session import ZeroSession
+
+__all__ = ["SequenceParallelLoader", "SequenceParallelMixin"]
+
+
+class SequenceParallelLoader:
+    """``loader`` yielding each batch's slice for this rank; every other attribute is the loader's (its sampler for
+    Fabric's ``set_epoch``, its length)."""
+
+    def __init__(self, loader: Any, shard: Callable[[Any], Any]) -> None:
+        self._loader = loader
+        self._shard = shard
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self._loader:
+            yield self._shard(batch)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_loader", "_shard"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+
+class SequenceParallelMixin(DeepSpeedStrategyBase):
+    """Sequence parallelism for the ZeRO Fabric strategy whose run is ``self._session``; mix in before Fabric's
+    class."""
+
+    _session: ZeroSession
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        parallel = self._session.sequence_parallel
+        if not parallel.enabled:
+            return super().distributed_sampler_kwargs
+        return parallel.sampler_kwargs(self.world_size, self.global_rank)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        dataloader = super().process_dataloader(dataloader)
+        if not self._session.sequence_parallel.enabled:
+            return dataloader
+        return SequenceParallelLoader(dataloader, self._session.sequence_parallel.shard)
+
+    @override
+    def backward(self, tensor: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        factor = self._session.sequence_parallel.gradient_factor(self._session.config)
+        super().backward(tensor * factor if factor != 1.0 else tensor, module, *args, **kwargs)

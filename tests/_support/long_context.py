@@ -1,0 +1,95 @@
+"""Sequence parallelism on a tiny pretrained Llama, shared by the Trainer's and Fabric's tests: the pretrained files,
+right-padded batches whose prompts are masked out of the labels (``-100``), and the one-process reference on the whole
+sequences that every sequence-parallel run must equal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from _support.models import rank_batches
+
+VOCAB, SEQ, SAMPLES, BATCH, LR, EPS = 64, 31, 8, 2, 1e-3, 1e-3
+PROMPT = 3  # the first tokens of every row are a prompt: label -100
+
+
+def llama_config(**overrides: Any) -> Any:
+    from transformers import LlamaConfig
+
+    settings: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    return LlamaConfig(**{**settings, **overrides})
+
+
+def write_pretrained(path: Path, **overrides: Any) -> None:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    LlamaForCausalLM(llama_config(**overrides)).save_pretrained(path)
+
+
+def load(pretrained: Path, attn_implementation: str = "sdpa") -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(pretrained, attn_implementation=attn_implementation)
+
+
+class PaddedTokens(Dataset):
+    """Rows of 8 to :data:`SEQ` real tokens, right-padded with 0, as a HuggingFace collator makes them."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(1, VOCAB, (SAMPLES, SEQ), generator=generator)
+        lengths = torch.randint(8, SEQ + 1, (SAMPLES,), generator=generator)
+        self.mask = (torch.arange(SEQ) < lengths[:, None]).long()
+        self.ids = self.ids * self.mask
+        self.labels = self.ids.masked_fill(self.mask == 0, -100)
+        self.labels[:, :PROMPT] = -100
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "attention_mask": self.mask[index], "labels": self.labels[index]}
+
+
+def collate(data: PaddedTokens, rows: list[int]) -> dict[str, torch.Tensor]:
+    """The batch of ``data``'s ``rows``, as the default collate makes it."""
+    return {key: torch.stack([data[i][key] for i in rows]) for key in ("input_ids", "attention_mask", "labels")}
+
+
+def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+
+
+def reference(pretrained: Path, data_parallel: int, steps: int, accumulate: int = 1) -> dict[str, torch.Tensor]:
+    """One plain process on whole sequences: each step's loss is the mean of the token-mean losses of the
+    micro-batches every data-parallel rank trains on in the step's window (as data parallelism averages them)."""
+    model = load(pretrained)
+    opt = optimizer(model)
+    data = PaddedTokens()
+    micro_batches = rank_batches(SAMPLES, data_parallel, BATCH, epoch=0)
+    for step in range(steps):
+        window = micro_batches[step * accumulate : (step + 1) * accumulate]
+        losses = [model(**collate(data, rows)).loss for ranks in window for rows in ranks]
+        opt.zero_grad()
+        (sum(losses) / len(losses)).backward()
+        opt.step()
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    for key, expected in want.items():
+        torch.testing.assert_close(got[key], expected, rtol=0, atol=1e-5, msg=lambda m, k=key: f"{what} {k}: {m}")

@@ -1,0 +1,82 @@
+"""``SequenceParallel``: the data-parallel x sequence-parallel layout (sampler ranks, the data-parallel size), the
+gradient factor ZeRO-3's reduce-scatter needs, and the layouts and configs it refuses; off (size 1) it changes
+nothing. The model's side (the attention and the loss) runs in the multi-process tests of both front ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightspeed.core.errors import SequenceParallelError
+from lightspeed.core.sequence_parallel import SequenceParallel
+from lightspeed.core.sequence_parallel.ulysses import find_causal_lm
+
+
+def test_ranks_are_grouped_consecutively_and_a_group_reads_the_same_rows() -> None:
+    parallel = SequenceParallel(2)
+    assert [parallel.sampler_kwargs(6, rank) for rank in range(6)] == [
+        {"num_replicas": 3, "rank": rank // 2} for rank in range(6)
+    ]
+    assert parallel.data_parallel_size(6) == 3
+
+
+def test_zero3_gradients_are_scaled_by_the_group_size_and_zero1_2_are_not() -> None:
+    parallel = SequenceParallel(4)
+    assert parallel.gradient_factor({"zero_optimization": {"stage": 3}}) == 4.0
+    assert parallel.gradient_factor({"zero_optimization": {"stage": 2}}) == 1.0
+    assert SequenceParallel(1).gradient_factor({"zero_optimization": {"stage": 3}}) == 1.0
+
+
+def test_off_it_leaves_batches_and_worlds_alone() -> None:
+    parallel = SequenceParallel()
+    batch = {"input_ids": torch.ones(2, 3)}
+    assert not parallel.enabled and parallel.shard(batch) is batch
+    parallel.check_world(3)
+    assert parallel.install(torch.nn.Linear(1, 1)) is None
+
+
+def test_a_world_that_does_not_split_into_groups_is_an_error() -> None:
+    with pytest.raises(SequenceParallelError) as caught:
+        SequenceParallel(4).check_world(6)
+    assert str(caught.value) == (
+        "sequence_parallel_size=4 splits the world into groups of 4 ranks, but the run has 6 process(es): use a "
+        "number of devices x nodes divisible by 4."
+    )
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True])
+def test_the_size_is_a_whole_number(size: object) -> None:
+    with pytest.raises(SequenceParallelError, match=r"^sequence_parallel_size must be a whole number >= 1, got "):
+        SequenceParallel(size)  # type: ignore[arg-type]
+
+
+def test_zero3_reduction_paths_whose_averaging_differs_per_bucket_are_refused() -> None:
+    config = {"zero_optimization": {"stage": 3, "reduce_scatter": False}}
+    with pytest.raises(SequenceParallelError) as caught:
+        SequenceParallel(2).check_config(config)
+    assert str(caught.value) == (
+        "ZeRO-3 with reduce_scatter=false averages some gradient buckets over the data-parallel groups and others over "
+        "every rank when sequences are split, and no loss scale makes both right: leave them at their defaults (true) "
+        "with sequence_parallel_size > 1."
+    )
+    SequenceParallel(2).check_config({"zero_optimization": {"stage": 2, "reduce_scatter": False}})
+    SequenceParallel(1).check_config(config)
+
+
+def test_the_model_must_hold_exactly_one_huggingface_causal_lm() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
+    model = LlamaForCausalLM(config)
+    holder = torch.nn.Module()
+    holder.model = model
+    assert find_causal_lm(holder) is model
+    holder.teacher = LlamaForCausalLM(config)
+    with pytest.raises(SequenceParallelError) as caught:
+        find_causal_lm(holder)
+    assert str(caught.value).startswith(
+        "sequence_parallel_size > 1 replaces the attention of one HuggingFace causal language model (a transformers "
+        "*ForCausalLM, e.g. LlamaForCausalLM) and found 2 (LlamaForCausalLM, LlamaForCausalLM) in Module."
+    )
+    with pytest.raises(SequenceParallelError, match=r"and found none in Linear\. Build the model with transformers"):
+        find_causal_lm(torch.nn.Linear(2, 2))

@@ -1,0 +1,129 @@
+"""Worker: Ulysses sequence parallelism under the Trainer's ZeRO strategies, ``sequence_parallel_size=2``.
+
+usage: zero_sequence_parallel.py OUT RUNS   (OUT/pretrained: written by the test; RUNS: comma-separated names)
+
+Runs, one after another in this launch (each installs the attention again after the previous one removed it):
+``zero2`` / ``zero3`` (2 steps), ``zero2_accumulate`` (accumulate_grad_batches=2, 2 steps), ``zero3_resume`` (1 step
+saved to OUT/ck, a new Trainer resumes it to step 2 with ``ZeroExport(OUT/export)``, then ``validate`` logs
+``val_loss``); errors: ``generate`` (``generate()`` inside ``training_step``), ``rebuilt`` (``validate`` after
+``fit`` with a ``configure_model`` that builds the model again), ``bad_world`` (sequence_parallel_size=4 on 2
+ranks), ``one_head`` (OUT/one_head: a model with one attention head), ``eager`` (the model built with eager
+attention). Each rank writes OUT/result_<rank>.pt: the gathered weights after each run, its logged losses, and the
+errors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+import lightspeed
+from _support import long_context
+from _support.outcomes import error_text
+from _support.trainers import quiet_trainer
+
+
+class CausalLM(L.LightningModule):
+    def __init__(
+        self, pretrained: Path, attn_implementation: str = "sdpa", generate: bool = False, rebuild: bool = False
+    ) -> None:
+        super().__init__()
+        self.pretrained, self.attn_implementation, self.generate = pretrained, attn_implementation, generate
+        self.rebuild = rebuild  # configure_model builds a new model in every stage (not idempotent)
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if getattr(self, "model", None) is not None and not self.rebuild:
+            return
+        self.model = long_context.load(self.pretrained, self.attn_implementation)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.generate:
+            self.model.generate(batch["input_ids"][:, :4], max_new_tokens=2)
+        loss = self.model(**batch).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.model(**batch).loss, sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return long_context.optimizer(self)
+
+
+def gathered_state(module: CausalLM) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    params = list(module.model.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        return {key: value.detach().clone() for key, value in module.model.state_dict().items()}
+
+
+def trainer_for(stage: int, steps: int, size: int = 2, **settings: Any) -> L.Trainer:
+    strategy = lightspeed.strategies.ZeroStrategy(stage=stage, sequence_parallel_size=size)
+    world = int(os.environ["WORLD_SIZE"])
+    return quiet_trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, **settings)
+
+
+def loader(shuffle: bool = True) -> DataLoader:
+    return DataLoader(long_context.PaddedTokens(), batch_size=long_context.BATCH, shuffle=shuffle)
+
+
+def fit(
+    out: Path, stage: int, steps: int, accumulate: int = 1, size: int = 2, pretrained: str = "pretrained", **model: Any
+) -> dict[str, Any]:
+    module = CausalLM(out / pretrained, **model)
+    trainer_for(stage, steps, size, accumulate_grad_batches=accumulate).fit(module, loader())
+    return {"state": gathered_state(module), "losses": module.losses}
+
+
+def resume(out: Path) -> dict[str, Any]:
+    every_step = ModelCheckpoint(out / "ck", every_n_train_steps=1, save_top_k=-1)
+    trainer_for(3, 1, callbacks=[every_step], enable_checkpointing=True).fit(CausalLM(out / "pretrained"), loader())
+    module = CausalLM(out / "pretrained")
+    trainer = trainer_for(3, 2, callbacks=[lightspeed.callbacks.ZeroExport(out / "export", strip_prefix="model.")])
+    trainer.fit(module, loader(), ckpt_path=next((out / "ck").iterdir()))
+    state = gathered_state(module)
+    trainer.validate(module, loader(shuffle=False))
+    return {"state": state, "val_loss": float(trainer.callback_metrics["val_loss"])}
+
+
+def rebuilt(out: Path) -> None:
+    """fit, then validate with a configure_model that builds the model again."""
+    module = CausalLM(out / "pretrained", rebuild=True)
+    trainer = trainer_for(2, 1)
+    trainer.fit(module, loader())
+    trainer.validate(module, loader(shuffle=False))
+
+
+def main(out: Path, runs: list[str]) -> None:
+    result: dict[str, Any] = {}
+    for run in runs:
+        if run == "zero2_accumulate":
+            result[run] = fit(out, 2, 2, accumulate=2)
+        elif run == "zero3_resume":
+            result[run] = resume(out)
+        elif run == "rebuilt":
+            result[run] = error_text(lambda: rebuilt(out))
+        elif run == "generate":
+            result[run] = error_text(lambda: fit(out, 2, 1, generate=True))
+        elif run == "bad_world":
+            result[run] = error_text(lambda: fit(out, 2, 1, size=4))
+        elif run == "one_head":
+            result[run] = error_text(lambda: fit(out, 2, 1, pretrained="one_head"))
+        elif run == "eager":
+            result[run] = error_text(lambda: fit(out, 3, 1, attn_implementation="eager"))
+        else:
+            result[run] = fit(out, int(run[-1]), 2)
+    torch.save(result, out / f"result_{os.environ['RANK']}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2].split(","))

@@ -1,0 +1,144 @@
+"""Ulysses sequence parallelism under the Trainer (``ZeroStrategy(sequence_parallel_size=2)``, CPU, gloo): a tiny
+pretrained Llama on right-padded batches with masked prompts trains exactly as one plain process on the whole
+sequences, on 2 ranks (1 data-parallel group x 2) and 4 (2 x 2), under ZeRO-2 and ZeRO-3, with gradient
+accumulation; the loss every rank logs is the whole micro-batch's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _support import long_context
+from _support.launch import REPO_ROOT, run_torchrun
+
+SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_sequence_parallel.py"
+
+
+def _launch(tmp_path: Path, world: int, runs: list[str]) -> list[dict[str, Any]]:
+    long_context.write_pretrained(tmp_path / "pretrained")
+    long_context.write_pretrained(tmp_path / "one_head", num_attention_heads=1, num_key_value_heads=1)
+    run_torchrun(SCRIPT, world, [str(tmp_path), ",".join(runs)], timeout=600)
+    return [torch.load(tmp_path / f"result_{rank}.pt") for rank in range(world)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("sp_two")
+    runs = [
+        "zero2",
+        "zero3",
+        "zero2_accumulate",
+        "zero3_resume",
+        "generate",
+        "rebuilt",
+        "bad_world",
+        "one_head",
+        "eager",
+    ]
+    return out, _launch(out, 2, runs)
+
+
+@pytest.mark.parametrize("run", ["zero2", "zero3"])
+def test_one_group_of_two_trains_like_one_process_on_whole_sequences(two_ranks: Any, run: str) -> None:
+    out, results = two_ranks
+    want = long_context.reference(out / "pretrained", data_parallel=1, steps=2)
+    for rank, result in enumerate(results):
+        long_context.assert_close(result[run]["state"], want, f"{run} rank {rank}")
+
+
+def test_accumulated_windows_train_like_one_process(two_ranks: Any) -> None:
+    out, results = two_ranks
+    want = long_context.reference(out / "pretrained", data_parallel=1, steps=2, accumulate=2)
+    for rank, result in enumerate(results):
+        long_context.assert_close(result["zero2_accumulate"]["state"], want, f"accumulate rank {rank}")
+
+
+def test_every_rank_logs_the_loss_of_the_whole_micro_batch(two_ranks: Any) -> None:
+    out, results = two_ranks
+    model, data = long_context.load(out / "pretrained"), long_context.PaddedTokens()
+    first = results[0]["zero2"]["losses"][0]
+    assert [result["zero2"]["losses"][0] for result in results] == [first, first]
+    from _support.models import rank_batches
+
+    (rows,) = rank_batches(long_context.SAMPLES, 1, long_context.BATCH, epoch=0)[0]
+    batch = long_context.collate(data, rows)
+    assert first == pytest.approx(float(model(**batch).loss.detach()), abs=1e-6)
+
+
+def test_a_resumed_run_trains_like_one_process_and_exports_its_weights(two_ranks: Any) -> None:
+    """1 step saved, a new Trainer resumes it mid-epoch (the sampler over the data-parallel groups) to step 2."""
+    out, results = two_ranks
+    want = long_context.reference(out / "pretrained", data_parallel=1, steps=2)
+    for rank, result in enumerate(results):
+        long_context.assert_close(result["zero3_resume"]["state"], want, f"resumed rank {rank}")
+    long_context.assert_close(load_file(out / "export" / "model.safetensors"), want, "export")
+
+
+def test_validation_logs_the_loss_of_whole_sequences(two_ranks: Any) -> None:
+    out, results = two_ranks
+    trained = long_context.load(out / "export")
+    data = long_context.PaddedTokens()
+    losses = []
+    for start in range(0, long_context.SAMPLES, long_context.BATCH):
+        rows = list(range(start, start + long_context.BATCH))
+        losses.append(float(trained(**long_context.collate(data, rows)).loss.detach()))
+    for result in results:
+        assert result["zero3_resume"]["val_loss"] == pytest.approx(sum(losses) / len(losses), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("run", "expected"),
+    [
+        (
+            "generate",
+            "LlamaForCausalLM.generate() cannot run while the model trains with sequence_parallel_size > 1: decoding "
+            "adds one token at a time, which cannot be split over the group's ranks. Generate after the run (fit, "
+            "validate, test) has ended, or with the exported weights in a run without sequence parallelism.",
+        ),
+        (
+            "bad_world",
+            "sequence_parallel_size=4 splits the world into groups of 4 ranks, but the run has 2 process(es): use a "
+            "number of devices x nodes divisible by 4.",
+        ),
+        (
+            "one_head",
+            "sequence_parallel_size=2 splits attention heads over the group's ranks, and LlamaForCausalLM has 1 "
+            "attention heads and 1 key/value heads: the attention heads must divide by 2, and the key/value heads by "
+            "2 (or 2 by them).",
+        ),
+        (
+            "eager",
+            "sequence parallelism replaces the model's attention function, and LlamaForCausalLM uses "
+            "attn_implementation='eager', which needs a whole attention mask. Build it with "
+            "attn_implementation='sdpa' (on the CPU) or a flash-attention variant (on CUDA).",
+        ),
+    ],
+)
+def test_what_cannot_be_split_is_one_error_on_every_rank_before_the_first_step(
+    two_ranks: Any, run: str, expected: str
+) -> None:
+    _, results = two_ranks
+    assert [result[run] for result in results] == [f"SequenceParallelError: {expected}"] * 2
+
+
+def test_evaluating_after_fit_a_model_configure_model_built_again_is_an_error(two_ranks: Any) -> None:
+    """The engine fit trained would run new, untrained parameters: refused (ZeRO-2, where nothing else fails)."""
+    _, results = two_ranks
+    expected = (
+        "ModelChangedError: CausalLM holds other parameters than the ones fit trained, so validate would not evaluate "
+        "the trained weights. Lightning calls configure_model again for every stage: return early when the model "
+        "already exists (`if getattr(self, 'model', None) is not None: return`)."
+    )
+    assert [result["rebuilt"] for result in results] == [expected] * 2
+
+
+@pytest.mark.parametrize("run", ["zero2", "zero3"])
+def test_two_groups_of_two_train_like_one_process_on_whole_sequences(tmp_path: Path, run: str) -> None:
+    results = _launch(tmp_path, 4, [run])
+    want = long_context.reference(tmp_path / "pretrained", data_parallel=2, steps=2)
+    for rank, result in enumerate(results):
+        long_context.assert_close(result[run]["state"], want, f"{run} rank {rank}")
