@@ -73,9 +73,12 @@ def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
 
 
-def reference(pretrained: Path, data_parallel: int, steps: int, accumulate: int = 1) -> dict[str, torch.Tensor]:
+def reference(
+    pretrained: Path, data_parallel: int, steps: int, accumulate: int = 1, clip: float | None = None
+) -> dict[str, torch.Tensor]:
     """One plain process on whole sequences: each step's loss is the mean of the token-mean losses of the
-    micro-batches every data-parallel rank trains on in the step's window (as data parallelism averages them)."""
+    micro-batches every data-parallel rank trains on in the step's window (as data parallelism averages them); the
+    gradient's norm clipped to ``clip`` when given."""
     model = load(pretrained)
     opt = optimizer(model)
     data = PaddedTokens()
@@ -85,6 +88,8 @@ def reference(pretrained: Path, data_parallel: int, steps: int, accumulate: int 
         losses = [model(**collate(data, rows)).loss for ranks in window for rows in ranks]
         opt.zero_grad()
         (sum(losses) / len(losses)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
 

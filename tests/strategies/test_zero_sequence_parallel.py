@@ -31,9 +31,12 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
     runs = [
         "zero2",
         "zero3",
+        "zero3_tiled",
+        "zero3_clip",
         "zero2_accumulate",
         "zero3_resume",
         "generate",
+        "gather_metrics",
         "rebuilt",
         "bad_world",
         "one_head",
@@ -42,12 +45,21 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
     return out, _launch(out, 2, runs)
 
 
-@pytest.mark.parametrize("run", ["zero2", "zero3"])
+@pytest.mark.parametrize("run", ["zero2", "zero3", "zero3_tiled"])
 def test_one_group_of_two_trains_like_one_process_on_whole_sequences(two_ranks: Any, run: str) -> None:
     out, results = two_ranks
     want = long_context.reference(out / "pretrained", data_parallel=1, steps=2)
     for rank, result in enumerate(results):
         long_context.assert_close(result[run]["state"], want, f"{run} rank {rank}")
+
+
+def test_gradients_are_clipped_by_the_norm_of_the_whole_gradient(two_ranks: Any) -> None:
+    out, results = two_ranks
+    want = long_context.reference(out / "pretrained", data_parallel=1, steps=2, clip=0.05)
+    unclipped = long_context.reference(out / "pretrained", data_parallel=1, steps=2)
+    assert any(not torch.allclose(want[key], unclipped[key], rtol=0, atol=1e-5) for key in want)  # clipping acted
+    for rank, result in enumerate(results):
+        long_context.assert_close(result["zero3_clip"]["state"], want, f"clipped rank {rank}")
 
 
 def test_accumulated_windows_train_like_one_process(two_ranks: Any) -> None:
@@ -98,6 +110,13 @@ def test_validation_logs_the_loss_of_whole_sequences(two_ranks: Any) -> None:
             "LlamaForCausalLM.generate() cannot run while the model trains with sequence_parallel_size > 1: decoding "
             "adds one token at a time, which cannot be split over the group's ranks. Generate after the run (fit, "
             "validate, test) has ended, or with the exported weights in a run without sequence parallelism.",
+        ),
+        (
+            "gather_metrics",
+            "GatherForMetrics gathers whole samples, and with sequence_parallel_size > 1 every rank's step sees a "
+            "slice of each sequence. Log what the step computes over the whole micro-batch instead (the model's loss "
+            "is the whole sequence's: self.log('val_loss', loss, sync_dist=True)), or evaluate in a run without "
+            "sequence parallelism.",
         ),
         (
             "bad_world",

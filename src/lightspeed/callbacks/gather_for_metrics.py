@@ -52,6 +52,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from typing_extensions import override
 
+from lightspeed.core.errors import SequenceParallelError
 from lightspeed.core.gather.accounting import GatherState, current_state, set_current_state
 from lightspeed.core.gather.api import end_of_dataloader
 from lightspeed.core.gather.metrics import (
@@ -115,6 +116,13 @@ class GatherForMetrics(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if getattr(trainer.strategy, "sequence_parallel_size", 1) > 1:
+            raise SequenceParallelError(
+                "GatherForMetrics gathers whole samples, and with sequence_parallel_size > 1 every rank's step sees a "
+                "slice of each sequence. Log what the step computes over the whole micro-batch instead (the model's "
+                "loss is the whole sequence's: self.log('val_loss', loss, sync_dist=True)), or evaluate in a run "
+                "without sequence parallelism."
+            )
         self._records = {}  # a new run may be on another device and must not see the previous run's samples
         for run_stage in _RUN_STAGES.get(stage, ()):
             self.states.pop(run_stage, None)

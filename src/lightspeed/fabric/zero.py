@@ -148,6 +148,7 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
         sequence_parallel_size: split every sequence over groups of this many ranks, as for the Trainer's
             :class:`~lightspeed.strategies.ZeroStrategy`: the loaders of ``fabric.setup_dataloaders`` yield each
             rank's slice, and the loop calls ``model(**batch)`` with it. 1 (default): off.
+        tiled_mlp: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
         **unsupported: none is taken: a keyword the Fabric strategy does not take (e.g. ``sync_with_dataloader``,
             ``offload_params_device``) is a ``TypeError`` saying what to use instead.
     """
@@ -188,6 +189,7 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
         compile_kwargs: dict[str, Any] | None = None,
         leaf_modules: Collection[type[Module] | str] | type[Module] | str | None = "auto",
         sequence_parallel_size: int = 1,
+        tiled_mlp: bool = False,
         **unsupported: Any,
     ) -> None:
         refuse_unknown_keywords(type(self).__name__, unsupported, ZeroFabricStrategy, "Fabric")

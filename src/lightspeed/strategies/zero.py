@@ -149,6 +149,10 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
             multiple of the size, labels shifted over the whole sequence), and the model's loss is the token mean of
             the whole micro-batch on every rank. ``training_step`` calls ``model(**batch)`` with the batch it is
             given. 1 (default): off. See ``docs/long_context.md``.
+        tiled_mlp: run the MLP blocks of the HuggingFace causal LM over slices of the sequence (DeepSpeed's
+            ``TiledMLP``, ``ceil(sequence / hidden size)`` slices): their intermediate activations exist for one slice
+            at a time, at the cost of one more MLP forward in the backward pass. With or without sequence
+            parallelism.
         **unsupported: none is taken: a keyword of Lightning's ``DeepSpeedStrategy`` that lightspeed does not take
             (e.g. ``offload_params_device``, ``logging_batch_size_per_gpu``) is a ``TypeError`` saying what to use
             instead.
@@ -195,6 +199,7 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         models: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
         leaf_modules: Collection[type[torch.nn.Module] | str] | type[torch.nn.Module] | str | None = "auto",
         sequence_parallel_size: int = 1,
+        tiled_mlp: bool = False,
         **unsupported: Any,
     ) -> None:
         refuse_unknown_keywords(type(self).__name__, unsupported, ZeroStrategy, "Trainer")

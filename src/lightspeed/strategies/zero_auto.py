@@ -80,8 +80,8 @@ class ZeroAutoStrategy(ZeroStrategy):
             ``profile``; low-memory states: ``bf16_master_weights_and_grads``, ``bf16_optimizer_states`` (counted by
             the plan); ``leaf_modules`` (marked when ZeRO-3 is chosen); ``exclude_frozen_parameters``,
             ``load_full_weights``, ``sync_with_dataloader``, ``node_local_storage``, ``start_method``, ``compile``,
-            ``compile_kwargs``, ``models``, ``sequence_parallel_size`` (not with ``tune=True``), ``timeout``,
-            ``logging_level``, ``process_group_backend``; and the ones the Trainer sets: ``accelerator``,
+            ``compile_kwargs``, ``models``, ``sequence_parallel_size`` (not with ``tune=True``), ``tiled_mlp``,
+            ``timeout``, ``logging_level``, ``process_group_backend``; and the ones the Trainer sets: ``accelerator``,
             ``parallel_devices``, ``cluster_environment``, ``precision_plugin``.
             ``stage``, ``offload_optimizer`` and ``offload_parameters`` are chosen here: passing one is an error.
     """

@@ -3,13 +3,14 @@
 usage: zero_sequence_parallel.py OUT RUNS   (OUT/pretrained: written by the test; RUNS: comma-separated names)
 
 Runs, one after another in this launch (each installs the attention again after the previous one removed it):
-``zero2`` / ``zero3`` (2 steps), ``zero2_accumulate`` (accumulate_grad_batches=2, 2 steps), ``zero3_resume`` (1 step
-saved to OUT/ck, a new Trainer resumes it to step 2 with ``ZeroExport(OUT/export)``, then ``validate`` logs
-``val_loss``); errors: ``generate`` (``generate()`` inside ``training_step``), ``rebuilt`` (``validate`` after
-``fit`` with a ``configure_model`` that builds the model again), ``bad_world`` (sequence_parallel_size=4 on 2
-ranks), ``one_head`` (OUT/one_head: a model with one attention head), ``eager`` (the model built with eager
-attention). Each rank writes OUT/result_<rank>.pt: the gathered weights after each run, its logged losses, and the
-errors.
+``zero2`` / ``zero3`` (2 steps), ``zero3_tiled`` (``tiled_mlp=True``), ``zero3_clip`` (gradient_clip_val=0.05),
+``zero2_accumulate``
+(accumulate_grad_batches=2, 2 steps), ``zero3_resume`` (1 step saved to OUT/ck, a new Trainer resumes it to step 2
+with ``ZeroExport(OUT/export)``, then ``validate`` logs ``val_loss``); errors: ``generate`` (``generate()`` inside
+``training_step``), ``gather_metrics`` (``GatherForMetrics``), ``rebuilt`` (``validate`` after ``fit`` with a
+``configure_model`` that builds the model again), ``bad_world`` (sequence_parallel_size=4 on 2 ranks), ``one_head``
+(OUT/one_head: a model with one attention head), ``eager`` (the model built with eager attention). Each rank writes
+OUT/result_<rank>.pt: the gathered weights after each run, its logged losses, and the errors.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def gathered_state(module: CausalLM) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in module.model.state_dict().items()}
 
 
-def trainer_for(stage: int, steps: int, size: int = 2, **settings: Any) -> L.Trainer:
-    strategy = lightspeed.strategies.ZeroStrategy(stage=stage, sequence_parallel_size=size)
+def trainer_for(stage: int, steps: int, size: int = 2, tiled_mlp: bool = False, **settings: Any) -> L.Trainer:
+    strategy = lightspeed.strategies.ZeroStrategy(stage=stage, sequence_parallel_size=size, tiled_mlp=tiled_mlp)
     world = int(os.environ["WORLD_SIZE"])
     return quiet_trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, **settings)
 
@@ -77,10 +78,19 @@ def loader(shuffle: bool = True) -> DataLoader:
 
 
 def fit(
-    out: Path, stage: int, steps: int, accumulate: int = 1, size: int = 2, pretrained: str = "pretrained", **model: Any
+    out: Path,
+    stage: int,
+    steps: int,
+    accumulate: int = 1,
+    size: int = 2,
+    pretrained: str = "pretrained",
+    tiled_mlp: bool = False,
+    clip: float | None = None,
+    **model: Any,
 ) -> dict[str, Any]:
     module = CausalLM(out / pretrained, **model)
-    trainer_for(stage, steps, size, accumulate_grad_batches=accumulate).fit(module, loader())
+    trainer = trainer_for(stage, steps, size, tiled_mlp, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+    trainer.fit(module, loader())
     return {"state": gathered_state(module), "losses": module.losses}
 
 
@@ -93,6 +103,12 @@ def resume(out: Path) -> dict[str, Any]:
     state = gathered_state(module)
     trainer.validate(module, loader(shuffle=False))
     return {"state": state, "val_loss": float(trainer.callback_metrics["val_loss"])}
+
+
+def gather_metrics(out: Path) -> None:
+    """validate with GatherForMetrics, which gathers whole samples."""
+    callback = lightspeed.callbacks.GatherForMetrics(metrics={})
+    trainer_for(2, 1, callbacks=[callback]).validate(CausalLM(out / "pretrained"), loader(shuffle=False))
 
 
 def rebuilt(out: Path) -> None:
@@ -108,10 +124,16 @@ def main(out: Path, runs: list[str]) -> None:
     for run in runs:
         if run == "zero2_accumulate":
             result[run] = fit(out, 2, 2, accumulate=2)
+        elif run == "zero3_tiled":
+            result[run] = fit(out, 3, 2, tiled_mlp=True)
+        elif run == "zero3_clip":
+            result[run] = fit(out, 3, 2, clip=0.05)
         elif run == "zero3_resume":
             result[run] = resume(out)
         elif run == "rebuilt":
             result[run] = error_text(lambda: rebuilt(out))
+        elif run == "gather_metrics":
+            result[run] = error_text(lambda: gather_metrics(out))
         elif run == "generate":
             result[run] = error_text(lambda: fit(out, 2, 1, generate=True))
         elif run == "bad_world":

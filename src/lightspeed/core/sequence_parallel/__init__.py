@@ -5,6 +5,7 @@ attention heads for the whole sequence inside every attention layer.
 * :mod:`.batch`: the batch each rank trains on (labels shifted on the whole sequence, then cut by the rank's slice);
 * :mod:`.loss`: the model's loss over the whole micro-batch, identical on every rank of the group;
 * :mod:`.ulysses`: the attention installed through transformers' attention registry, and the groups;
+* :mod:`.tiling`: the model's MLP blocks run over slices of the sequence (``tiled_mlp``);
 * :mod:`.plan`: what a front end asks (sampler ranks, the gradient factor, the checks before the first step).
 """
 

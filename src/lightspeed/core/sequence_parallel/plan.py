@@ -4,28 +4,35 @@ before its engine is built, each batch's slice and the gradient factor ZeRO-3 ne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lightspeed.core.errors import SequenceParallelError
 from lightspeed.core.sequence_parallel.batch import shard_batch
-from lightspeed.core.sequence_parallel.ulysses import UlyssesInstallation
+from lightspeed.core.sequence_parallel.tiling import tile_mlps
+from lightspeed.core.sequence_parallel.ulysses import UlyssesInstallation, find_causal_lm
 
 __all__ = ["SequenceParallel"]
 
 
 class SequenceParallel:
-    """Ulysses sequence parallelism over groups of ``size`` consecutive ranks (1: off, every method a no-op).
+    """Ulysses sequence parallelism over groups of ``size`` consecutive ranks (1: off, every method a no-op), and
+    ``tiled_mlp`` (DeepSpeed's ``TiledMLP``, with or without sequence parallelism).
 
     The world is ``data-parallel x sequence-parallel``: rank ``r`` is position ``r % size`` of data-parallel group
     ``r // size``; the ranks of one group read the same rows and each trains on its slice of their sequences."""
 
-    def __init__(self, size: int = 1) -> None:
+    def __init__(self, size: int = 1, tiled_mlp: bool = False) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise SequenceParallelError(f"sequence_parallel_size must be a whole number >= 1, got {size!r}.")
+        if not isinstance(tiled_mlp, bool):
+            raise SequenceParallelError(f"tiled_mlp must be True or False, got {tiled_mlp!r}.")
         self.size = size
+        self.tiled_mlp = tiled_mlp
         self._installed: UlyssesInstallation | None = None
+        self._untile: Callable[[], None] | None = None
         self._model: torch.nn.Module | None = None
 
     @property
@@ -72,22 +79,26 @@ class SequenceParallel:
 
     # ------------------------------------------------------------------ the model
     def install(self, model: torch.nn.Module) -> Any:
-        """Install Ulysses attention and the whole-sequence loss on ``model`` (a collective: every rank, before its
-        engine is built); returns the ``mpu`` DeepSpeed's engine takes (None when off)."""
-        if not self.enabled:
-            return None
-        if self._installed is not None and self._installed.owns(model):
-            return self._installed.mpu
-        self.remove()
-        self._installed = UlyssesInstallation(model, self.size)
-        self._model = model
-        return self._installed.mpu
+        """Install Ulysses attention and the whole-sequence loss (and the tiled MLPs) on ``model`` (a collective:
+        every rank, before its engine is built); returns the ``mpu`` DeepSpeed's engine takes (None without sequence
+        parallelism)."""
+        if self._model is not model or (self._installed is None and self._untile is None):
+            self.remove()
+            if self.tiled_mlp:
+                self._untile = tile_mlps(find_causal_lm(model))
+            if self.enabled:
+                self._installed = UlyssesInstallation(model, self.size)
+            self._model = model
+        return self._installed.mpu if self._installed is not None else None
 
     def remove(self) -> None:
         """Undo :meth:`install` (the front end's teardown); :meth:`shard` installs again if the model runs on."""
         if self._installed is not None:
             self._installed.remove()
             self._installed = None
+        if self._untile is not None:
+            self._untile()
+            self._untile = None
 
     # ------------------------------------------------------------------ each batch
     def shard(self, batch: Any) -> Any:

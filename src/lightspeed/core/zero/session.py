@@ -73,6 +73,7 @@ class ZeroSession:
         leaf_modules: the modules marked as ZeRO-3 leaf modules in every engine's model (default: the
             mixture-of-experts blocks found).
         sequence_parallel_size: ranks that split each sequence (Ulysses attention; 1: off).
+        tiled_mlp: run the model's MLP blocks over slices of the sequence (DeepSpeed's ``TiledMLP``).
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class ZeroSession:
         info: Callable[[str], None],
         leaf_modules: LeafModules | None = None,
         sequence_parallel_size: int = 1,
+        tiled_mlp: bool = False,
     ) -> None:
         if node_local_storage:
             config.setdefault("checkpoint", {})["use_node_local_storage"] = True
@@ -95,7 +97,7 @@ class ZeroSession:
         self.compiled_with: CompileRequest | None = None  # what the last engine was compiled with
         self.activation_checkpointing_policy = activation_checkpointing_policy
         self.leaf_modules = LeafModules() if leaf_modules is None else leaf_modules
-        self.sequence_parallel = SequenceParallel(sequence_parallel_size)
+        self.sequence_parallel = SequenceParallel(sequence_parallel_size, tiled_mlp)
         if exclude_frozen_parameters != "auto" and not isinstance(exclude_frozen_parameters, bool):
             raise ValueError(
                 f"exclude_frozen_parameters must be True, False or 'auto', got {exclude_frozen_parameters!r}"
@@ -121,7 +123,7 @@ class ZeroSession:
         """The session of a front end built with ``arguments`` (its constructor's, by name; left out: the defaults):
         ``compile``, ``compile_kwargs``, ``activation_checkpointing_policy`` (already parsed), ``leaf_modules`` (checked
         here: a bad one fails when the strategy is created), ``node_local_storage``,
-        ``exclude_frozen_parameters`` and ``sequence_parallel_size``.
+        ``exclude_frozen_parameters``, ``sequence_parallel_size`` and ``tiled_mlp``.
         ``owner`` names the strategy class in messages."""
         return cls(
             config,
@@ -133,6 +135,7 @@ class ZeroSession:
             info=info,
             leaf_modules=LeafModules.of(arguments.get("leaf_modules", AUTO)),
             sequence_parallel_size=arguments.get("sequence_parallel_size", 1),
+            tiled_mlp=arguments.get("tiled_mlp", False),
         )
 
     @property
@@ -389,6 +392,11 @@ class ZeroConfigProperties:
     def node_local_storage(self) -> bool:
         """Whether each node keeps its ranks' checkpoint files on its own disk (no shared filesystem)."""
         return self._session.node_local_storage
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """The ranks that split each sequence (1: no sequence parallelism)."""
+        return self._session.sequence_parallel.size
 
     @property
     def activation_checkpointing_policy(self) -> Policy | None:
