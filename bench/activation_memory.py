@@ -35,20 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from process_memory import reset_peak, status_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
-
-
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` size in bytes (``VmRSS``, ``VmHWM``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def build(blocks: int, width: int) -> tuple[type, Any]:
@@ -117,8 +107,8 @@ def worker(variant: str, args: argparse.Namespace, out: Path) -> None:
     peaks, seconds, losses = [], [], []
     for step in range(args.steps + 1):
         fabric.barrier()
-        _reset_peak()
-        before = _status("VmRSS")
+        reset_peak()
+        before = status_bytes("VmRSS")
         start = time.perf_counter()
         loss = torch.nn.functional.mse_loss(model(x), y)
         fabric.backward(loss)
@@ -126,7 +116,7 @@ def worker(variant: str, args: argparse.Namespace, out: Path) -> None:
         optimizer.zero_grad()
         if step > 0:  # the first step is a warm-up
             seconds.append(time.perf_counter() - start)
-            peaks.append(_status("VmHWM") - before)
+            peaks.append(status_bytes("VmHWM") - before)
         losses.append(float(loss))
     results: list[dict] = [{}] * fabric.world_size
     torch.distributed.all_gather_object(results, {"peak": max(peaks), "seconds": statistics.median(seconds)})

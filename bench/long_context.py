@@ -28,16 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from process_memory import reset_peak, status_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
-
-
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` size in bytes (``VmRSS``, ``VmHWM``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def make_config(width: int, layers: int, length: int) -> Any:
@@ -75,8 +69,8 @@ def step(fabric: Any, model: Any, optimizer: Any, data: dict[str, Any]) -> dict[
         return tensor
 
     fabric.barrier()
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
+    reset_peak()
+    before = status_bytes("VmRSS")
     start = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = model(**sliced).loss
@@ -84,7 +78,7 @@ def step(fabric: Any, model: Any, optimizer: Any, data: dict[str, Any]) -> dict[
     optimizer.step()
     optimizer.zero_grad()
     seconds = time.perf_counter() - start
-    peak = _status("VmHWM") - before
+    peak = status_bytes("VmHWM") - before
     saved = sum(nbytes for pointer, nbytes in storages.items() if pointer not in weights)
     return {"peak": peak, "saved": saved, "seconds": seconds, "loss": float(loss.detach())}
 

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from process_memory import reset_peak, status_bytes
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,19 +53,6 @@ def write_pretrained(path: Path, width: int, depth: int) -> None:
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-
-
 def worker(variant: str, path: Path, width: int, depth: int, out: Path) -> None:
     import lightning as L
 
@@ -73,8 +61,8 @@ def worker(variant: str, path: Path, width: int, depth: int, out: Path) -> None:
     fabric = L.Fabric(strategy="zero3", accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]))
     fabric.launch()
     fabric.barrier()
-    _reset_peak()
-    before = _rss("VmRSS")
+    reset_peak()
+    before = status_bytes("VmRSS")
     start = time.perf_counter()
     if variant == "lightspeed":
         with fabric.init_module():
@@ -94,7 +82,7 @@ def worker(variant: str, path: Path, width: int, depth: int, out: Path) -> None:
         model = fabric.setup_module(model)  # deepspeed.initialize partitions the full model
     fabric.barrier()
     seconds = time.perf_counter() - start
-    peak = _rss("VmHWM") - before
+    peak = status_bytes("VmHWM") - before
     results: list[dict] = [{}] * fabric.world_size
     torch.distributed.all_gather_object(results, {"peak": peak, "seconds": seconds})
     if fabric.global_rank == 0:

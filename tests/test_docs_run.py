@@ -97,6 +97,23 @@ def loss_fn(logits, labels):
 """
 
 #: name -> (code before the block, code after it: the check)
+_TINY_LLAMA = """
+import os
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+import lightspeed
+
+if "LOCAL_RANK" not in os.environ:  # the launching process writes the small "pretrained" model, before the launch
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained("checkpoints/tiny-llama")
+ids = torch.randint(1, 32, (4, 40), generator=torch.Generator().manual_seed(0))
+rows = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids]
+"""
+
 PRELUDES: dict[str, tuple[str, str]] = {
     "trainer": ("import lightning as L\nimport lightspeed\n", "assert trainer.strategy is not None\n"),
     "tiny_classifier": (
@@ -337,43 +354,15 @@ optimizer.step()
 """,
     ),
     "long_context": (
-        """
-import os
-import lightning as L
-import torch
-from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-import lightspeed
-from lightspeed.strategies import ZeroStrategy
+        _TINY_LLAMA
+        + """from lightspeed.strategies import ZeroStrategy
 
-if "LOCAL_RANK" not in os.environ:  # the launching process writes the small "pretrained" model, before the launch
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    LlamaForCausalLM(config).save_pretrained("checkpoints/tiny-llama")
-ids = torch.randint(1, 32, (4, 40), generator=torch.Generator().manual_seed(0))
-rows = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids]
 train_loader = DataLoader(rows, batch_size=2)
 """,
         "assert trainer.global_step == 2 and trainer.strategy.world_size == 2\n",
     ),
     "long_context_fabric": (
-        """
-import os
-import lightning as L
-import torch
-from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-import lightspeed
-
-if "LOCAL_RANK" not in os.environ:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    LlamaForCausalLM(config).save_pretrained("checkpoints/tiny-llama")
-ids = torch.randint(1, 32, (4, 40), generator=torch.Generator().manual_seed(0))
-dataset = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids]
-""",
+        _TINY_LLAMA + "dataset = rows\n",
         "assert loss.isfinite() and batch['input_ids'].shape == (2, 20)\n",
     ),
     "several_models_fabric": (

@@ -47,10 +47,8 @@ class SequenceParallelMixin(DeepSpeedStrategyBase):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        parallel = self._session.sequence_parallel
-        if not parallel.enabled:
-            return super().distributed_sampler_kwargs
-        return parallel.sampler_kwargs(self.world_size, self.global_rank)
+        groups = self._session.sequence_parallel.sampler_kwargs(self.world_size, self.global_rank)
+        return super().distributed_sampler_kwargs if groups is None else groups
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -61,5 +59,5 @@ class SequenceParallelMixin(DeepSpeedStrategyBase):
 
     @override
     def backward(self, tensor: Any, module: Any, *args: Any, **kwargs: Any) -> None:
-        factor = self._session.sequence_parallel.gradient_factor(self._session.config)
-        super().backward(tensor * factor if factor != 1.0 else tensor, module, *args, **kwargs)
+        tensor = self._session.sequence_parallel.scale_loss(tensor, self._session.config)
+        super().backward(tensor, module, *args, **kwargs)

@@ -28,10 +28,8 @@ class SequenceParallelMixin(DeepSpeedStrategyBase):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        parallel = self._session.sequence_parallel
-        if not parallel.enabled:
-            return super().distributed_sampler_kwargs
-        return parallel.sampler_kwargs(self.world_size, self.global_rank)
+        groups = self._session.sequence_parallel.sampler_kwargs(self.world_size, self.global_rank)
+        return super().distributed_sampler_kwargs if groups is None else groups
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -39,7 +37,5 @@ class SequenceParallelMixin(DeepSpeedStrategyBase):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        factor = self._session.sequence_parallel.gradient_factor(self._session.config)
-        if factor != 1.0:
-            closure_loss = closure_loss * factor
+        closure_loss = self._session.sequence_parallel.scale_loss(closure_loss, self._session.config)
         return super().backward(closure_loss, optimizer, *args, **kwargs)

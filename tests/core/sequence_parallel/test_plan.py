@@ -24,13 +24,16 @@ def test_zero3_gradients_are_scaled_by_the_group_size_and_zero1_2_are_not() -> N
     parallel = SequenceParallel(4)
     assert parallel.gradient_factor({"zero_optimization": {"stage": 3}}) == 4.0
     assert parallel.gradient_factor({"zero_optimization": {"stage": 2}}) == 1.0
+    assert float(parallel.scale_loss(torch.full((), 0.5), {"zero_optimization": {"stage": 3}})) == 2.0
     assert SequenceParallel(1).gradient_factor({"zero_optimization": {"stage": 3}}) == 1.0
 
 
 def test_off_it_leaves_batches_and_worlds_alone() -> None:
     parallel = SequenceParallel()
     batch = {"input_ids": torch.ones(2, 3)}
-    assert not parallel.enabled and parallel.shard(batch) is batch
+    assert not parallel.enabled and parallel.shard(batch) is batch and parallel.sampler_kwargs(4, 1) is None
+    loss = torch.ones(())
+    assert parallel.scale_loss(loss, {"zero_optimization": {"stage": 3}}) is loss
     parallel.check_world(3)
     assert parallel.install(torch.nn.Linear(1, 1)) is None
 

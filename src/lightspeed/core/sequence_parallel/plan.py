@@ -53,8 +53,11 @@ class SequenceParallel:
         """The data-parallel groups (distinct rows per step): what DeepSpeed's batch arithmetic counts."""
         return world_size // self.size
 
-    def sampler_kwargs(self, world_size: int, rank: int) -> dict[str, int]:
-        """``DistributedSampler`` arguments: one replica per data-parallel group, the same rows for its ranks."""
+    def sampler_kwargs(self, world_size: int, rank: int) -> dict[str, int] | None:
+        """``DistributedSampler`` arguments: one replica per data-parallel group, the same rows for its ranks (None
+        when off: the front end's own)."""
+        if not self.enabled:
+            return None
         return {"num_replicas": self.data_parallel_size(world_size), "rank": rank // self.size}
 
     def check_config(self, config: dict[str, Any]) -> None:
@@ -69,6 +72,11 @@ class SequenceParallel:
                 "data-parallel groups and others over every rank when sequences are split, and no loss scale makes "
                 "both right: leave them at their defaults (true) with sequence_parallel_size > 1."
             )
+
+    def scale_loss(self, loss: torch.Tensor, config: dict[str, Any]) -> torch.Tensor:
+        """``loss`` times :meth:`gradient_factor` (``loss`` itself when the factor is 1)."""
+        factor = self.gradient_factor(config)
+        return loss * factor if factor != 1.0 else loss
 
     def gradient_factor(self, config: dict[str, Any]) -> float:
         """What each rank's loss is multiplied by before backward: ZeRO-3's reduce-scatter averages the gradients
