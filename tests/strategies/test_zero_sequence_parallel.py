@@ -32,6 +32,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
         "zero2",
         "zero3",
         "zero3_tiled",
+        "zero3_checkpointed",
         "zero3_clip",
         "zero2_accumulate",
         "zero3_resume",
@@ -45,7 +46,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
     return out, _launch(out, 2, runs)
 
 
-@pytest.mark.parametrize("run", ["zero2", "zero3", "zero3_tiled"])
+@pytest.mark.parametrize("run", ["zero2", "zero3", "zero3_tiled", "zero3_checkpointed"])
 def test_one_group_of_two_trains_like_one_process_on_whole_sequences(two_ranks: Any, run: str) -> None:
     out, results = two_ranks
     want = long_context.reference(out / "pretrained", data_parallel=1, steps=2)

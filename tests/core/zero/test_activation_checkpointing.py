@@ -163,13 +163,13 @@ def test_without_a_device_the_rule_asks_deepspeeds_accelerator(monkeypatch: pyte
     assert section(resolve_config_with_notes(built, facts(None))[0])["cpu_checkpointing"] is True
 
 
-def test_settings_without_effect_here_stay_and_get_a_note() -> None:
+def test_settings_without_effect_here_get_a_note_and_cpu_checkpointing_is_turned_off_on_the_cpu() -> None:
     built = build_zero_config(2, tuning=ZeroTuning(cpu_checkpointing=True, partition_activations=True))
     resolved, notes = resolve_config_with_notes(built, facts("cpu"))
-    assert section(resolved)["cpu_checkpointing"] is True and section(resolved)["partition_activations"] is True
+    assert section(resolved)["cpu_checkpointing"] is False and section(resolved)["partition_activations"] is True
     assert notes == [
-        "activation_checkpointing.cpu_checkpointing has no effect on the CPU device: the checkpoints are in host "
-        "memory already.",
+        "activation_checkpointing.cpu_checkpointing has no effect on the CPU device (the checkpoints are in host "
+        "memory already) and DeepSpeed's copy would empty the checkpointed inputs there: turned off.",
         "activation_checkpointing.partition_activations splits checkpoints across model-parallel ranks; lightspeed "
         "trains without model parallelism, so each rank keeps whole checkpoints (DeepSpeed only copies them).",
     ]
@@ -347,3 +347,47 @@ def test_a_deep_copy_checkpoints_its_own_blocks() -> None:
     twin = copy.deepcopy(net)
     forward = twin.blocks[0].forward
     assert isinstance(forward, CheckpointedForward) and forward.module is twin.blocks[0]
+
+
+def test_checkpointed_huggingface_decoder_layers_recompute_without_the_kv_cache() -> None:
+    """HF models build a KV cache in training too (``use_cache`` defaults to True); a checkpointed layer that wrote its
+    keys into it would find them there again when recomputed in the backward pass and attend to them twice."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(config)
+    checkpointed = copy.deepcopy(plain)
+    apply_policy(checkpointed, checked_policy({LlamaDecoderLayer}))
+    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for model in (plain, checkpointed):
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_prefilled_kv_cache_in_a_checkpointed_layer_is_refused() -> None:
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = LlamaForCausalLM(config)
+    apply_policy(model, checked_policy({LlamaDecoderLayer}))
+    cache = DynamicCache(config=config)
+    with torch.no_grad():  # a prompt run first: checkpointing is off without gradients, the cache fills
+        model(input_ids=torch.zeros(1, 3, dtype=torch.long), cache=cache)
+    with pytest.raises(DeepSpeedConfigError) as info:
+        model(input_ids=torch.zeros(1, 2, dtype=torch.long), cache=cache, labels=torch.zeros(1, 2).long())
+    assert str(info.value) == (
+        "activation_checkpointing_policy runs LlamaDecoderLayer twice (its forward again in the backward pass), and "
+        "it is given a KV cache that already holds 3 positions (prefix tuning, or a prompt run before): the second run "
+        "would find its own keys in the cache. Train without a prefilled cache, or leave LlamaDecoderLayer out of the "
+        "policy."
+    )

@@ -3,7 +3,8 @@
 usage: zero_sequence_parallel.py OUT RUNS   (OUT/pretrained: written by the test; RUNS: comma-separated names)
 
 Runs, one after another in this launch (each installs the attention again after the previous one removed it):
-``zero2`` / ``zero3`` (2 steps), ``zero3_tiled`` (``tiled_mlp=True``), ``zero3_clip`` (gradient_clip_val=0.05),
+``zero2`` / ``zero3`` (2 steps), ``zero3_tiled`` (``tiled_mlp=True``), ``zero3_checkpointed`` (every decoder layer
+checkpointed, ``cpu_checkpointing=True``), ``zero3_clip`` (gradient_clip_val=0.05),
 ``zero2_accumulate``
 (accumulate_grad_batches=2, 2 steps), ``zero3_resume`` (1 step saved to OUT/ck, a new Trainer resumes it to step 2
 with ``ZeroExport(OUT/export)``, then ``validate`` logs ``val_loss``); errors: ``generate`` (``generate()`` inside
@@ -67,8 +68,18 @@ def gathered_state(module: CausalLM) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in module.model.state_dict().items()}
 
 
-def trainer_for(stage: int, steps: int, size: int = 2, tiled_mlp: bool = False, **settings: Any) -> L.Trainer:
-    strategy = lightspeed.strategies.ZeroStrategy(stage=stage, sequence_parallel_size=size, tiled_mlp=tiled_mlp)
+def trainer_for(
+    stage: int, steps: int, size: int = 2, tiled_mlp: bool = False, checkpointed: bool = False, **settings: Any
+) -> L.Trainer:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    strategy = lightspeed.strategies.ZeroStrategy(
+        stage=stage,
+        sequence_parallel_size=size,
+        tiled_mlp=tiled_mlp,
+        activation_checkpointing_policy={LlamaDecoderLayer} if checkpointed else None,
+        cpu_checkpointing=True if checkpointed else "auto",
+    )
     world = int(os.environ["WORLD_SIZE"])
     return quiet_trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, **settings)
 
@@ -86,10 +97,13 @@ def fit(
     pretrained: str = "pretrained",
     tiled_mlp: bool = False,
     clip: float | None = None,
+    checkpointed: bool = False,
     **model: Any,
 ) -> dict[str, Any]:
     module = CausalLM(out / pretrained, **model)
-    trainer = trainer_for(stage, steps, size, tiled_mlp, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+    trainer = trainer_for(
+        stage, steps, size, tiled_mlp, checkpointed, accumulate_grad_batches=accumulate, gradient_clip_val=clip
+    )
     trainer.fit(module, loader())
     return {"state": gathered_state(module), "losses": module.losses}
 
@@ -126,6 +140,8 @@ def main(out: Path, runs: list[str]) -> None:
             result[run] = fit(out, 2, 2, accumulate=2)
         elif run == "zero3_tiled":
             result[run] = fit(out, 3, 2, tiled_mlp=True)
+        elif run == "zero3_checkpointed":
+            result[run] = fit(out, 3, 2, checkpointed=True)
         elif run == "zero3_clip":
             result[run] = fit(out, 3, 2, clip=0.05)
         elif run == "zero3_resume":

@@ -28,7 +28,8 @@ class CheckpointedForward:
     The module's own ``__call__`` still runs its hooks (ZeRO-3 gathers the block's parameters there, and again before
     the recomputation in the backward pass), its class and ``state_dict`` stay as they were, and ``copy.deepcopy`` of
     the model gives a copy that checkpoints itself. Inputs and outputs may be any nesting of tuples, lists and dicts
-    (an output is flattened for DeepSpeed, which checkpoints tensors and tuples of them, and rebuilt afterwards).
+    (an output is flattened for DeepSpeed, which checkpoints tensors and tuples of them, and rebuilt afterwards). An
+    empty HuggingFace KV cache among the keyword arguments is left out (see :func:`_without_kv_cache`).
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -39,6 +40,8 @@ class CheckpointedForward:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         from deepspeed import checkpointing  # looked up per call, so it is DeepSpeed's current function
+
+        kwargs = _without_kv_cache(type(self.module).__qualname__, kwargs)
 
         structure: list[_pytree.TreeSpec] = []
 
@@ -55,6 +58,31 @@ class CheckpointedForward:
         if not isinstance(leaves, tuple):
             leaves = (leaves,)
         return _pytree.tree_unflatten(list(leaves), structure[0])
+
+
+#: the keyword arguments HuggingFace layers take their KV cache in (``cache`` in transformers 5)
+KV_CACHE_KEYS = ("cache", "past_key_values", "past_key_value")
+
+
+def _without_kv_cache(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without an empty KV cache. HuggingFace models build one in training too (``use_cache`` defaults to
+    True) and each attention layer appends its keys to it: run twice, a checkpointed layer would find its own keys
+    there when recomputed and attend to them again (the gradients silently wrong). A cache that already holds
+    positions (prefix tuning) cannot be run twice either: refused."""
+    for key in KV_CACHE_KEYS:
+        cache: Any = kwargs.get(key)
+        if not hasattr(cache, "get_seq_length"):  # not a HuggingFace cache (None, or another kind of argument)
+            continue
+        held = int(cache.get_seq_length())
+        if held:
+            raise DeepSpeedConfigError(
+                f"activation_checkpointing_policy runs {name} twice (its forward again in the backward pass), and it "
+                f"is given a KV cache that already holds {held} positions (prefix tuning, or a prompt run before): "
+                f"the second run would find its own keys in the cache. Train without a prefilled cache, or leave "
+                f"{name} out of the policy."
+            )
+        kwargs = {**kwargs, key: None}
+    return kwargs
 
 
 def checkpointed_modules(model: torch.nn.Module) -> list[str]:

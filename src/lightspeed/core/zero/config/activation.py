@@ -12,7 +12,8 @@ calls). The ``"auto"`` rules:
   ``partition_activations`` (and ``number_checkpoints``).
 * ``cpu_checkpointing``: on when ZeRO-3 offloads the parameters (to the CPU or NVMe: the run is short of device
   memory) and the engine runs on an accelerator such as CUDA, so the checkpoints wait in host memory for the backward
-  pass; off otherwise, and always off on the CPU device, where they are in host memory already.
+  pass; off otherwise, and always off on the CPU device, where they are in host memory already (``True`` is turned
+  off there with a note: DeepSpeed's copy to the CPU returns the input itself and then empties it).
 """
 
 from __future__ import annotations
@@ -169,9 +170,11 @@ def resolve_section(section: dict[str, Any], offloaded: bool, device: Callable[[
     if section.get("cpu_checkpointing") == AUTO:
         section["cpu_checkpointing"] = bool(offloaded and device() != "cpu")
     elif section.get("cpu_checkpointing") is True and device() == "cpu":
+        # DeepSpeed "copies" each checkpointed input to the CPU, gets the same tensor back there, then empties it
+        section["cpu_checkpointing"] = False
         notes.append(
-            "activation_checkpointing.cpu_checkpointing has no effect on the CPU device: the checkpoints are in host "
-            "memory already."
+            "activation_checkpointing.cpu_checkpointing has no effect on the CPU device (the checkpoints are in host "
+            "memory already) and DeepSpeed's copy would empty the checkpointed inputs there: turned off."
         )
     if section.get("partition_activations") is True:
         notes.append(
