@@ -6,7 +6,8 @@
   ``fabric/`` are siblings: neither imports the other, callbacks, the CLI or the registry, and each registers its
   names in its own ``registration`` module, which only ``lightspeed.registry`` and its own package import;
 * the imports form no cycle, function-level and ``TYPE_CHECKING`` imports included;
-* no module outside ``tests/`` is named like a test file.
+* no module outside ``tests/`` is named like a test file, and no two test files share a name (pytest imports them
+  by their base name: the second one fails to collect, and with it the whole run).
 """
 
 from __future__ import annotations
@@ -208,3 +209,10 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_module_outside_tests_is_named_like_a_test() -> None:
     assert [str(p) for p in PACKAGE.rglob("test_*.py")] == []
+
+
+def test_no_two_test_files_share_a_name() -> None:
+    seen: dict[str, list[str]] = {}
+    for path in sorted((PACKAGE.parents[1] / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parents[1])))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
