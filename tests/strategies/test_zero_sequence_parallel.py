@@ -37,6 +37,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
         "zero2_accumulate",
         "zero3_resume",
         "generate",
+        "own_loss",
         "gather_metrics",
         "rebuilt",
         "bad_world",
@@ -111,6 +112,13 @@ def test_validation_logs_the_loss_of_whole_sequences(two_ranks: Any) -> None:
             "LlamaForCausalLM.generate() cannot run while the model trains with sequence_parallel_size > 1: decoding "
             "adds one token at a time, which cannot be split over the group's ranks. Generate after the run (fit, "
             "validate, test) has ended, or with the exported weights in a run without sequence parallelism.",
+        ),
+        (
+            "own_loss",
+            "The loss given to backward was not computed by the model from the batch lightspeed split: with "
+            "sequence_parallel_size > 1 each rank holds a slice of every sequence, with labels already shifted over "
+            "the whole sequence, and only the model's own loss (`model(**batch).loss`) adds the slices up to the loss "
+            "of whole sequences. Return that loss (scale or add to it as you like).",
         ),
         (
             "gather_metrics",

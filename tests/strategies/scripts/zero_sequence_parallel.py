@@ -4,14 +4,14 @@ usage: zero_sequence_parallel.py OUT RUNS   (OUT/pretrained: written by the test
 
 Runs, one after another in this launch (each installs the attention again after the previous one removed it):
 ``zero2`` / ``zero3`` (2 steps), ``zero3_tiled`` (``tiled_mlp=True``), ``zero3_checkpointed`` (every decoder layer
-checkpointed, ``cpu_checkpointing=True``), ``zero3_clip`` (gradient_clip_val=0.05),
-``zero2_accumulate``
+checkpointed, ``cpu_checkpointing=True``), ``zero3_clip`` (gradient_clip_val=0.05), ``zero2_accumulate``
 (accumulate_grad_batches=2, 2 steps), ``zero3_resume`` (1 step saved to OUT/ck, a new Trainer resumes it to step 2
 with ``ZeroExport(OUT/export)``, then ``validate`` logs ``val_loss``); errors: ``generate`` (``generate()`` inside
-``training_step``), ``gather_metrics`` (``GatherForMetrics``), ``rebuilt`` (``validate`` after ``fit`` with a
-``configure_model`` that builds the model again), ``bad_world`` (sequence_parallel_size=4 on 2 ranks), ``one_head``
-(OUT/one_head: a model with one attention head), ``eager`` (the model built with eager attention). Each rank writes
-OUT/result_<rank>.pt: the gathered weights after each run, its logged losses, and the errors.
+``training_step``), ``own_loss`` (a cross-entropy computed in the step from the slice's logits), ``gather_metrics``
+(``GatherForMetrics``), ``rebuilt`` (``validate`` after ``fit`` with a ``configure_model`` that builds the model
+again), ``bad_world`` (sequence_parallel_size=4 on 2 ranks), ``one_head`` (OUT/one_head: a model with one attention
+head), ``eager`` (the model built with eager attention). Each rank writes OUT/result_<rank>.pt: the gathered weights
+after each run, its logged losses, and the errors.
 """
 
 from __future__ import annotations
@@ -34,9 +34,15 @@ from _support.trainers import quiet_trainer
 
 class CausalLM(L.LightningModule):
     def __init__(
-        self, pretrained: Path, attn_implementation: str = "sdpa", generate: bool = False, rebuild: bool = False
+        self,
+        pretrained: Path,
+        attn_implementation: str = "sdpa",
+        generate: bool = False,
+        rebuild: bool = False,
+        own_loss: bool = False,
     ) -> None:
         super().__init__()
+        self.own_loss = own_loss
         self.pretrained, self.attn_implementation, self.generate = pretrained, attn_implementation, generate
         self.rebuild = rebuild  # configure_model builds a new model in every stage (not idempotent)
         self.losses: list[float] = []
@@ -49,7 +55,11 @@ class CausalLM(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.generate:
             self.model.generate(batch["input_ids"][:, :4], max_new_tokens=2)
-        loss = self.model(**batch).loss
+        if self.own_loss:
+            logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        else:
+            loss = self.model(**batch).loss
         self.losses.append(float(loss.detach()))
         return loss
 
@@ -150,6 +160,8 @@ def main(out: Path, runs: list[str]) -> None:
             result[run] = error_text(lambda: rebuilt(out))
         elif run == "gather_metrics":
             result[run] = error_text(lambda: gather_metrics(out))
+        elif run == "own_loss":
+            result[run] = error_text(lambda: fit(out, 2, 1, own_loss=True))
         elif run == "generate":
             result[run] = error_text(lambda: fit(out, 2, 1, generate=True))
         elif run == "bad_world":

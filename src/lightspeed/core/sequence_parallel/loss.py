@@ -18,8 +18,9 @@ __all__ = ["sequence_parallel_loss"]
 LossFunction = Callable[..., torch.Tensor]
 
 
-def sequence_parallel_loss(original: LossFunction, group: Any) -> LossFunction:
-    """``original`` (a HuggingFace ``loss_function``) made whole over the sequence-parallel ``group``."""
+def sequence_parallel_loss(original: LossFunction, group: Any, computed: Callable[[], None]) -> LossFunction:
+    """``original`` (a HuggingFace ``loss_function``) made whole over the sequence-parallel ``group``; ``computed``
+    is called each time it runs."""
 
     def loss_function(
         logits: torch.Tensor,
@@ -40,6 +41,7 @@ def sequence_parallel_loss(original: LossFunction, group: Any) -> LossFunction:
         )
         whole = partial.detach().clone()
         torch.distributed.all_reduce(whole, group=group)
+        computed()
         return partial + (whole - partial.detach())  # the value of the whole, the gradient of this rank's part
 
     return loss_function

@@ -34,6 +34,7 @@ class SequenceParallel:
         self._installed: UlyssesInstallation | None = None
         self._untile: Callable[[], None] | None = None
         self._model: torch.nn.Module | None = None
+        self._loss_pending = False  # a batch was split and the model's own loss has not run on it since
 
     @property
     def enabled(self) -> bool:
@@ -73,8 +74,20 @@ class SequenceParallel:
                 "both right: leave them at their defaults (true) with sequence_parallel_size > 1."
             )
 
+    def _loss_ran(self) -> None:
+        self._loss_pending = False
+
     def scale_loss(self, loss: torch.Tensor, config: dict[str, Any]) -> torch.Tensor:
-        """``loss`` times :meth:`gradient_factor` (``loss`` itself when the factor is 1)."""
+        """``loss`` (about to be backpropagated) times :meth:`gradient_factor` (``loss`` itself when the factor is 1).
+        A loss that did not come from the model's own loss function on the last split batch is refused: computed from
+        a slice's logits and labels by hand, it would be the wrong loss, silently."""
+        if self._loss_pending:
+            raise SequenceParallelError(
+                "The loss given to backward was not computed by the model from the batch lightspeed split: with "
+                "sequence_parallel_size > 1 each rank holds a slice of every sequence, with labels already shifted "
+                "over the whole sequence, and only the model's own loss (`model(**batch).loss`) adds the slices up to "
+                "the loss of whole sequences. Return that loss (scale or add to it as you like)."
+            )
         factor = self.gradient_factor(config)
         return loss * factor if factor != 1.0 else loss
 
@@ -95,7 +108,7 @@ class SequenceParallel:
             if self.tiled_mlp:
                 self._untile = tile_mlps(find_causal_lm(model))
             if self.enabled:
-                self._installed = UlyssesInstallation(model, self.size)
+                self._installed = UlyssesInstallation(model, self.size, self._loss_ran)
             self._model = model
         return self._installed.mpu if self._installed is not None else None
 
@@ -119,4 +132,5 @@ class SequenceParallel:
                 raise SequenceParallelError("a batch was split before the model's engine was built")
             self.install(self._model)
         assert self._installed is not None
+        self._loss_pending = True
         return shard_batch(batch, self._installed.rank, self.size, self._installed.pad_token_id)

@@ -10,6 +10,7 @@ DeepSpeed's sequence-parallel groups so that a later run can create its own.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,9 +54,9 @@ def _names(value: Any) -> tuple[str, ...]:
 
 class UlyssesInstallation:
     """Ulysses attention and the whole-sequence loss on ``model``'s causal LM, over groups of ``size`` consecutive
-    ranks (created here: a collective of every rank)."""
+    ranks (created here: a collective of every rank); ``loss_computed`` is called whenever the model's loss runs."""
 
-    def __init__(self, model: torch.nn.Module, size: int) -> None:
+    def __init__(self, model: torch.nn.Module, size: int, loss_computed: Callable[[], None]) -> None:
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -105,7 +106,7 @@ class UlyssesInstallation:
         self._original_loss = causal_lm.loss_function
         self._installed = self._attention  # one bound method: what remove() recognises in the registry
         ALL_ATTENTION_FUNCTIONS[implementation] = self._installed
-        causal_lm.loss_function = sequence_parallel_loss(self._original_loss, self.group)
+        causal_lm.loss_function = sequence_parallel_loss(self._original_loss, self.group, loss_computed)
         self._own_generate = vars(causal_lm).get("generate")
         causal_lm.generate = types.MethodType(_refuse_generation, causal_lm)
 
