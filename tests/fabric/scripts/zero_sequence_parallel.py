@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed
 from _support import long_context
+from _support.models import full_state_dict
 
 
 def build(fabric: L.Fabric, pretrained: Path) -> tuple[Any, Any]:
@@ -53,12 +54,7 @@ def main(out: Path, stage: int) -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    import deepspeed
-
-    params = list(model.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        state = {key: value.detach().clone() for key, value in model.module.state_dict().items()}
-    result = {"state": state, "losses": losses, "other": (other_before, other_after)}
+    result = {"state": full_state_dict(model.module), "losses": losses, "other": (other_before, other_after)}
     torch.save(result, out / f"result_{os.environ['RANK']}.pt")
 
 

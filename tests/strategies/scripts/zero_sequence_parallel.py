@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 import lightspeed
 from _support import long_context
+from _support.models import full_state_dict
 from _support.outcomes import error_text
 from _support.trainers import quiet_trainer
 
@@ -70,14 +71,6 @@ class CausalLM(L.LightningModule):
         return long_context.optimizer(self)
 
 
-def gathered_state(module: CausalLM) -> dict[str, torch.Tensor]:
-    import deepspeed
-
-    params = list(module.model.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        return {key: value.detach().clone() for key, value in module.model.state_dict().items()}
-
-
 def trainer_for(
     stage: int, steps: int, size: int = 2, tiled_mlp: bool = False, checkpointed: bool = False, **settings: Any
 ) -> L.Trainer:
@@ -115,7 +108,7 @@ def fit(
         stage, steps, size, tiled_mlp, checkpointed, accumulate_grad_batches=accumulate, gradient_clip_val=clip
     )
     trainer.fit(module, loader())
-    return {"state": gathered_state(module), "losses": module.losses}
+    return {"state": full_state_dict(module.model), "losses": module.losses}
 
 
 def resume(out: Path) -> dict[str, Any]:
@@ -124,7 +117,7 @@ def resume(out: Path) -> dict[str, Any]:
     module = CausalLM(out / "pretrained")
     trainer = trainer_for(3, 2, callbacks=[lightspeed.callbacks.ZeroExport(out / "export", strip_prefix="model.")])
     trainer.fit(module, loader(), ckpt_path=next((out / "ck").iterdir()))
-    state = gathered_state(module)
+    state = full_state_dict(module.model)
     trainer.validate(module, loader(shuffle=False))
     return {"state": state, "val_loss": float(trainer.callback_metrics["val_loss"])}
 
