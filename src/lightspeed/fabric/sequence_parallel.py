@@ -59,5 +59,5 @@ class SequenceParallelMixin(DeepSpeedStrategyBase):
 
     @override
     def backward(self, tensor: Any, module: Any, *args: Any, **kwargs: Any) -> None:
-        tensor = self._session.sequence_parallel.scale_loss(tensor, self._session.config)
+        tensor = self._session.scale_loss(tensor)
         super().backward(tensor, module, *args, **kwargs)

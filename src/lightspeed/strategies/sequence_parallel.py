@@ -37,5 +37,5 @@ class SequenceParallelMixin(DeepSpeedStrategyBase):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        closure_loss = self._session.sequence_parallel.scale_loss(closure_loss, self._session.config)
+        closure_loss = self._session.scale_loss(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)

@@ -22,10 +22,10 @@ def test_ranks_are_grouped_consecutively_and_a_group_reads_the_same_rows() -> No
 
 def test_zero3_gradients_are_scaled_by_the_group_size_and_zero1_2_are_not() -> None:
     parallel = SequenceParallel(4)
-    assert parallel.gradient_factor({"zero_optimization": {"stage": 3}}) == 4.0
-    assert parallel.gradient_factor({"zero_optimization": {"stage": 2}}) == 1.0
-    assert float(parallel.scale_loss(torch.full((), 0.5), {"zero_optimization": {"stage": 3}})) == 2.0
-    assert SequenceParallel(1).gradient_factor({"zero_optimization": {"stage": 3}}) == 1.0
+    assert parallel.gradient_factor(3) == 4.0
+    assert parallel.gradient_factor(2) == 1.0
+    assert float(parallel.scale_loss(torch.full((), 0.5), 3)) == 2.0
+    assert SequenceParallel(1).gradient_factor(3) == 1.0
 
 
 def test_off_it_leaves_batches_and_worlds_alone() -> None:
@@ -33,7 +33,7 @@ def test_off_it_leaves_batches_and_worlds_alone() -> None:
     batch = {"input_ids": torch.ones(2, 3)}
     assert not parallel.enabled and parallel.shard(batch) is batch and parallel.sampler_kwargs(4, 1) is None
     loss = torch.ones(())
-    assert parallel.scale_loss(loss, {"zero_optimization": {"stage": 3}}) is loss
+    assert parallel.scale_loss(loss, 3) is loss
     parallel.check_world(3)
     assert parallel.install(torch.nn.Linear(1, 1)) is None
 
@@ -54,16 +54,16 @@ def test_the_size_is_a_whole_number(size: object) -> None:
 
 
 def test_zero3_reduction_paths_whose_averaging_differs_per_bucket_are_refused() -> None:
-    config = {"zero_optimization": {"stage": 3, "reduce_scatter": False}}
+    zero = {"stage": 3, "reduce_scatter": False}
     with pytest.raises(SequenceParallelError) as caught:
-        SequenceParallel(2).check_config(config)
+        SequenceParallel(2).check_config(3, zero)
     assert str(caught.value) == (
         "ZeRO-3 with reduce_scatter=false averages some gradient buckets over the data-parallel groups and others over "
         "every rank when sequences are split, and no loss scale makes both right: leave them at their defaults (true) "
         "with sequence_parallel_size > 1."
     )
-    SequenceParallel(2).check_config({"zero_optimization": {"stage": 2, "reduce_scatter": False}})
-    SequenceParallel(1).check_config(config)
+    SequenceParallel(2).check_config(2, {"stage": 2, "reduce_scatter": False})
+    SequenceParallel(1).check_config(3, zero)
 
 
 def test_the_model_must_hold_exactly_one_huggingface_causal_lm() -> None:

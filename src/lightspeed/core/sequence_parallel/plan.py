@@ -4,7 +4,7 @@ before its engine is built, each batch's slice and the gradient factor ZeRO-3 ne
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -61,10 +61,10 @@ class SequenceParallel:
             return None
         return {"num_replicas": self.data_parallel_size(world_size), "rank": rank // self.size}
 
-    def check_config(self, config: dict[str, Any]) -> None:
-        """Refuse ZeRO-3 reduction paths whose gradient averaging differs per bucket under sequence parallelism."""
-        zero = config.get("zero_optimization", {})
-        if not self.enabled or zero.get("stage", 0) != 3:
+    def check_config(self, stage: int, zero: Mapping[str, Any]) -> None:
+        """Refuse ZeRO-3 reduction paths (``zero``: the config's ``zero_optimization`` section) whose gradient
+        averaging differs per bucket under sequence parallelism."""
+        if not self.enabled or stage != 3:
             return
         off = [key for key in ("reduce_scatter", "contiguous_gradients") if zero.get(key, True) is False]
         if off:
@@ -77,7 +77,7 @@ class SequenceParallel:
     def _loss_ran(self) -> None:
         self._loss_pending = False
 
-    def scale_loss(self, loss: torch.Tensor, config: dict[str, Any]) -> torch.Tensor:
+    def scale_loss(self, loss: torch.Tensor, stage: int) -> torch.Tensor:
         """``loss`` (about to be backpropagated) times :meth:`gradient_factor` (``loss`` itself when the factor is 1).
         A loss that did not come from the model's own loss function on the last split batch is refused: computed from
         a slice's logits and labels by hand, it would be the wrong loss, silently."""
@@ -88,13 +88,14 @@ class SequenceParallel:
                 "over the whole sequence, and only the model's own loss (`model(**batch).loss`) adds the slices up to "
                 "the loss of whole sequences. Return that loss (scale or add to it as you like)."
             )
-        factor = self.gradient_factor(config)
+        factor = self.gradient_factor(stage)
         return loss * factor if factor != 1.0 else loss
 
-    def gradient_factor(self, config: dict[str, Any]) -> float:
-        """What each rank's loss is multiplied by before backward: ZeRO-3's reduce-scatter averages the gradients
-        over every rank, ZeRO-1/2 over the data-parallel groups (a group's ranks each hold part of one gradient)."""
-        if self.enabled and config.get("zero_optimization", {}).get("stage", 0) == 3:
+    def gradient_factor(self, stage: int) -> float:
+        """What each rank's loss is multiplied by before backward under ZeRO ``stage``: ZeRO-3's reduce-scatter
+        averages the gradients over every rank, ZeRO-1/2 over the data-parallel groups (a group's ranks each hold
+        part of one gradient)."""
+        if self.enabled and stage == 3:
             return float(self.size)
         return 1.0
 

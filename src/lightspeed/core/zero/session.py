@@ -251,7 +251,7 @@ class ZeroSession:
             if message is not None:
                 self._info(message)
         self.prepare_compile(model, config, device_kind)
-        self.sequence_parallel.check_config(config)
+        self.sequence_parallel.check_config(config_stage(config), config.get("zero_optimization") or {})
         mpu = self.sequence_parallel.install(model)
         engine, deepspeed_optimizer, deepspeed_scheduler = initialize_engine(
             config, model, optimizer, scheduler, device_index, local_rank, self.leaf_modules, mpu=mpu
@@ -308,6 +308,11 @@ class ZeroSession:
         )
 
     # ------------------------------------------------------------------ a step the front end makes itself
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss a front end backpropagates: sequence parallelism's check that it is the model's own, and the
+        factor ZeRO-3 needs under it (``loss`` itself otherwise)."""
+        return self.sequence_parallel.scale_loss(loss, config_stage(self.config))
+
     def clip_at_step(self, engine: Any, max_norm: float) -> torch.Tensor:
         """Clip the gradient norm to ``max_norm`` inside ``engine``'s next optimizer step; returns the tensor the
         step fills in with the total norm before clipping (NaN until then)."""
