@@ -361,6 +361,21 @@ train_loader = DataLoader(rows, batch_size=2)
 """,
         "assert trainer.global_step == 2 and trainer.strategy.world_size == 2\n",
     ),
+    "long_context_metrics": (
+        _TINY_LLAMA
+        + """from lightspeed.strategies import ZeroStrategy
+
+
+class LongContext(L.LightningModule):
+    def configure_model(self):
+        if getattr(self, "model", None) is None:
+            self.model = AutoModelForCausalLM.from_pretrained("checkpoints/tiny-llama", attn_implementation="sdpa")
+
+
+val_loader = DataLoader(rows[:3], batch_size=2)
+""",
+        "assert 0 <= float(metrics.results['validate']['val/token_acc']) <= 1\n",
+    ),
     "long_context_fabric": (
         _TINY_LLAMA + "dataset = rows\n",
         "assert loss.isfinite() and batch['input_ids'].shape == (2, 20)\n",

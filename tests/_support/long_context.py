@@ -94,6 +94,48 @@ def reference(
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
+def token_metrics() -> dict[str, Any]:
+    """Metrics over per-token predictions ``[rows, positions]`` and targets (-100: not a target): token accuracy
+    (torchmetrics) and the counts behind it (a plain callable, so a doubled or cut sequence shows)."""
+    from torchmetrics.classification import MulticlassAccuracy
+
+    def counts(preds: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        real = target != -100
+        hits = (preds[real] == target[real]).sum()
+        return {
+            "hits": hits,
+            "tokens": real.sum(),
+            "positions": torch.tensor(preds.shape[1]),
+            "checksum": _checksum(preds.masked_fill(~real, -1)) + 1000 * _checksum(target),
+        }
+
+    accuracy = MulticlassAccuracy(VOCAB, ignore_index=-100, average="micro", multidim_average="global")
+    return {"acc": accuracy, "n": counts}
+
+
+def token_scores(model: torch.nn.Module, rows: int = SAMPLES) -> dict[str, float]:
+    """:func:`token_metrics` of ``model`` on the first ``rows`` of :class:`PaddedTokens` in one plain process, by
+    logged name."""
+    data = PaddedTokens()
+    batch = collate(data, list(range(rows)))
+    with torch.no_grad():
+        preds = model(**batch).logits.argmax(-1)
+    target = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    real = target != -100
+    hits, tokens = int((preds[real] == target[real]).sum()), int(real.sum())
+    checksum = int(_checksum(preds.masked_fill(~real, -1)) + 1000 * _checksum(target))
+    counts = {"hits": hits, "tokens": tokens, "positions": preds.shape[1], "checksum": checksum}
+    return {"acc": hits / tokens, **{f"n/{name}": value for name, value in counts.items()}}
+
+
+def _checksum(values: torch.Tensor) -> torch.Tensor:
+    """Every value weighted by its place: another order, a lost or doubled row gives another sum (exact in float64).
+    Predictions count only at real targets: after a row's last token, sequence parallelism attends over the pads
+    (one process masks them), and nothing is scored there."""
+    weights = torch.arange(1, values.numel() + 1, dtype=torch.int64).view(values.shape)
+    return (values.to(torch.int64) * weights).sum()
+
+
 def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
     assert sorted(got) == sorted(want), what
     for key, expected in want.items():

@@ -2,7 +2,7 @@
 the loaders of ``fabric.setup_dataloaders`` yield each rank's slice, and a tiny pretrained Llama built under
 ``fabric.init_module()`` trains exactly as one plain process on the whole sequences, across a ``fabric.save`` /
 ``fabric.load`` into a new model, under ZeRO-2 and ZeRO-3; ``export_checkpoint`` of the saved checkpoint holds the
-weights of that step."""
+weights of that step; ``exact_metrics`` over the slices equals one process on the whole sequences."""
 
 from __future__ import annotations
 
@@ -30,6 +30,17 @@ def test_a_fabric_loop_trains_like_one_process_across_a_save_and_load(tmp_path: 
     assert results[0]["losses"] == results[1]["losses"]
     for result in results:  # the attention of another model in the process was not replaced
         assert result["other"][0] == result["other"][1]
+    scores = long_context.token_scores(long_context.load(tmp_path / "pretrained"), rows=long_context.SAMPLES - 1)
+    for result in results:
+        metrics = {"acc": float(result["metrics"]["acc"])}
+        metrics.update({f"n/{name}": float(value) for name, value in result["metrics"]["n"].items()})
+        assert metrics == pytest.approx(scores, rel=0, abs=1e-6)
+        assert result["by_hand"] == (
+            "GatherError: gather_for_metrics: ranks 0, 1: with sequence_parallel_size > 1 each rank's step holds a "
+            "slice of every sequence, which gathered as samples would be counted as whole ones. Return per-token "
+            "predictions and targets of the slice to GatherForMetrics (or from exact_metrics' step), which put the "
+            "slices back together first."
+        )
     export_checkpoint(tmp_path / f"ck_{stage}", tmp_path / "export")
     saved = load_file(tmp_path / "export" / "model.safetensors")
     first_step = long_context.reference(tmp_path / "pretrained", data_parallel=1, steps=1)

@@ -38,7 +38,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
         "zero3_resume",
         "generate",
         "own_loss",
+        "rank_rows",
         "gather_metrics",
+        "gather_per_sequence",
         "rebuilt",
         "bad_world",
         "one_head",
@@ -121,11 +123,13 @@ def test_validation_logs_the_loss_of_whole_sequences(two_ranks: Any) -> None:
             "of whole sequences. Return that loss (scale or add to it as you like).",
         ),
         (
-            "gather_metrics",
-            "GatherForMetrics gathers whole samples, and with sequence_parallel_size > 1 every rank's step sees a "
-            "slice of each sequence. Log what the step computes over the whole micro-batch instead (the model's loss "
-            "is the whole sequence's: self.log('val_loss', loss, sync_dist=True)), or evaluate in a run without "
-            "sequence parallelism.",
+            "rank_rows",
+            "ranks [0, 1] form one sequence-parallel group and must split the same rows, but their batches differ "
+            "(rank 0: 2 rows x 31 positions, rank 1: 2 rows x 31 positions; where the shapes agree, the tokens or "
+            "labels differ). lightspeed's sampler gives a group's ranks the same rows; an IterableDataset or a sampler "
+            "of your own that splits by global rank does not: split the data by data-parallel group instead (part "
+            "rank // sequence_parallel_size of world_size // sequence_parallel_size), shuffled with the same seed on "
+            "every rank.",
         ),
         (
             "bad_world",
@@ -153,6 +157,28 @@ def test_what_cannot_be_split_is_one_error_on_every_rank_before_the_first_step(
     assert [result[run] for result in results] == [f"SequenceParallelError: {expected}"] * 2
 
 
+def test_gathered_metrics_over_sliced_sequences_equal_one_process_on_whole_ones(two_ranks: Any) -> None:
+    """GatherForMetrics puts each sequence's slices back together and counts the group's rows once: token accuracy
+    and the counts behind it equal one plain process over the same rows (31 positions: the pad added to split was
+    cut)."""
+    out, results = two_ranks
+    want = long_context.token_scores(long_context.load(out / "pretrained"), rows=long_context.SAMPLES - 1)
+    for result in results:
+        got = {name: float(value) for name, value in result["gather_metrics"].items()}
+        assert got == pytest.approx({f"val/{name}": value for name, value in want.items()}, rel=0, abs=1e-6)
+
+
+def test_one_value_per_sequence_computed_from_a_slice_is_refused_on_every_rank(two_ranks: Any) -> None:
+    _, results = two_ranks
+    expected = (
+        "StepOutputError: gather_for_metrics: ranks 0, 1: GatherForMetrics: data['preds'] is [2], and with "
+        "sequence_parallel_size=2 each rank's step sees 16 of the 31 positions of its 2 sequences: return per-token "
+        "predictions and targets of the slice ([2, 16, ...], e.g. logits.argmax(-1) and batch['shift_labels']), which "
+        "lightspeed puts back into whole sequences; a value per sequence computed from a slice would be wrong."
+    )
+    assert [result["gather_per_sequence"] for result in results] == [expected] * 2
+
+
 def test_evaluating_after_fit_a_model_configure_model_built_again_is_an_error(two_ranks: Any) -> None:
     """The engine fit trained would run new, untrained parameters: refused (ZeRO-2, where nothing else fails)."""
     _, results = two_ranks
@@ -166,7 +192,15 @@ def test_evaluating_after_fit_a_model_configure_model_built_again_is_an_error(tw
 
 @pytest.mark.parametrize("run", ["zero2", "zero3"])
 def test_two_groups_of_two_train_like_one_process_on_whole_sequences(tmp_path: Path, run: str) -> None:
-    results = _launch(tmp_path, 4, [run])
+    """... and evaluate like one: the gathered metrics count each group's rows once, in order, without the row the
+    sampler repeated to even out the groups (ZeRO-3: every rank's step runs the partitioned model)."""
+    runs = [run, "gather_metrics"] if run == "zero3" else [run]
+    results = _launch(tmp_path, 4, runs)
     want = long_context.reference(tmp_path / "pretrained", data_parallel=2, steps=2)
     for rank, result in enumerate(results):
         long_context.assert_close(result[run]["state"], want, f"{run} rank {rank}")
+    if run == "zero3":
+        scores = long_context.token_scores(long_context.load(tmp_path / "pretrained"), rows=long_context.SAMPLES - 1)
+        for result in results:
+            got = {name: float(value) for name, value in result["gather_metrics"].items()}
+            assert got == pytest.approx({f"val/{name}": value for name, value in scores.items()}, rel=0, abs=1e-6)

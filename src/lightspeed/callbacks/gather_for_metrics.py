@@ -52,7 +52,6 @@ from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from typing_extensions import override
 
-from lightspeed.core.errors import SequenceParallelError
 from lightspeed.core.gather.accounting import GatherState, current_state, set_current_state
 from lightspeed.core.gather.api import end_of_dataloader
 from lightspeed.core.gather.metrics import (
@@ -111,18 +110,14 @@ class GatherForMetrics(Callback):
         #: (stage, dataloader_idx) holding its window, its metric copies and what was gathered for plain callables
         self._records: dict[tuple[str, int], LoaderMetrics] = {}
         self._silenced: dict[str, Any] = {}  # logged name -> the warnings filter this run installed for it
+        self._sequences: Any = None  # the strategy's sequence parallelism, when it splits sequences
 
     # hooks ------------------------------------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if getattr(trainer.strategy, "sequence_parallel_size", 1) > 1:
-            raise SequenceParallelError(
-                "GatherForMetrics gathers whole samples, and with sequence_parallel_size > 1 every rank's step sees a "
-                "slice of each sequence. Log what the step computes over the whole micro-batch instead (the model's "
-                "loss is the whole sequence's: self.log('val_loss', loss, sync_dist=True)), or evaluate in a run "
-                "without sequence parallelism."
-            )
+        sequences = getattr(trainer.strategy, "sequence_parallel", None)
+        self._sequences = sequences if sequences is not None and sequences.enabled else None
         self._records = {}  # a new run may be on another device and must not see the previous run's samples
         for run_stage in _RUN_STAGES.get(stage, ()):
             self.states.pop(run_stage, None)
@@ -209,6 +204,7 @@ class GatherForMetrics(Callback):
                 "GatherForMetrics",
                 _STEPS[stage],
                 (self.preds_key, self.target_key),
+                self._sequences,
             )
         return self._records[key]
 
@@ -224,7 +220,11 @@ class GatherForMetrics(Callback):
         else:
             counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
         names = [record.name for record in records]
-        return uneven_dataloaders(dict(zip(names, loaders, strict=True)), dict(zip(names, counts, strict=False)))
+        return uneven_dataloaders(
+            dict(zip(names, loaders, strict=True)),
+            dict(zip(names, counts, strict=False)),
+            self._sequences.size if self._sequences is not None else None,
+        )
 
     def _new_state(self, trainer: Trainer, stage: str, dataloader_idx: int) -> GatherState:
         """The accounting of one dataloader for this epoch, read from it."""
@@ -242,12 +242,9 @@ class GatherForMetrics(Callback):
     def _batch_end(self, pl_module: LightningModule, stage: str, outputs: Any, dataloader_idx: int) -> None:
         if not self.metrics:
             return
-        record = self._record(stage, dataloader_idx)
         problem = self._output_problem(stage, outputs)
-        if problem is not None:
-            record.add_problem(problem, pl_module.device)
-        else:
-            record.add(outputs[self.preds_key], outputs[self.target_key], pl_module.device)
+        pair = None if problem is not None else (outputs[self.preds_key], outputs[self.target_key])
+        self._record(stage, dataloader_idx).add_step_outputs(pair, problem, pl_module.device)
 
     def _epoch_end(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         states = self.states.setdefault(stage, {})

@@ -4,7 +4,7 @@ loaders ``fabric.setup_dataloaders`` returns, and for the loss before backward."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
@@ -12,6 +12,7 @@ from typing_extensions import override
 from lightspeed.fabric.mixin_bases import DeepSpeedStrategyBase
 
 if TYPE_CHECKING:
+    from lightspeed.core.sequence_parallel import SequenceParallel
     from lightspeed.core.zero.session import ZeroSession
 
 __all__ = ["SequenceParallelLoader", "SequenceParallelMixin"]
@@ -21,19 +22,22 @@ class SequenceParallelLoader:
     """``loader`` yielding each batch's slice for this rank; every other attribute is the loader's (its sampler for
     Fabric's ``set_epoch``, its length)."""
 
-    def __init__(self, loader: Any, shard: Callable[[Any], Any]) -> None:
+    def __init__(self, loader: Any, sequence_parallel: SequenceParallel) -> None:
+        # the loader's own attributes (its sampler and dataset), as Fabric's loader wrapper copies them from this one
+        self.__dict__.update(vars(loader))
         self._loader = loader
-        self._shard = shard
+        #: read by ``lightspeed.exact_metrics`` and ``track`` to count a group's rows once and put slices together
+        self.lightspeed_sequence_parallel = sequence_parallel
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self._loader:
-            yield self._shard(batch)
+            yield self.lightspeed_sequence_parallel.shard(batch)
 
     def __len__(self) -> int:
         return len(self._loader)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_loader", "_shard"):
+        if name.startswith("__") or name in ("_loader", "lightspeed_sequence_parallel"):
             raise AttributeError(name)
         return getattr(self._loader, name)
 
@@ -55,7 +59,7 @@ class SequenceParallelMixin(DeepSpeedStrategyBase):
         dataloader = super().process_dataloader(dataloader)
         if not self._session.sequence_parallel.enabled:
             return dataloader
-        return SequenceParallelLoader(dataloader, self._session.sequence_parallel.shard)
+        return SequenceParallelLoader(dataloader, self._session.sequence_parallel)
 
     @override
     def backward(self, tensor: Any, module: Any, *args: Any, **kwargs: Any) -> None:

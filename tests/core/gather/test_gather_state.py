@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import re
 import sys
 from pathlib import Path
 
@@ -11,7 +12,13 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightspeed import gather_for_metrics, gather_object, pad_across_processes
-from lightspeed.core.gather.accounting import GatherState, batch_size_of, current_state, set_current_state
+from lightspeed.core.gather.accounting import (
+    GatherState,
+    batch_size_of,
+    current_state,
+    global_order,
+    set_current_state,
+)
 from lightspeed.core.gather.api import end_of_dataloader, track
 from lightspeed.core.gather.collective import TIMEOUT_ENV, gather_timeout
 from lightspeed.core.gather.padding import pad_tensor
@@ -76,6 +83,47 @@ def test_sampler_for_another_world_size_is_rejected():
         ValueError, match=r"num_replicas=4 ranks but the process group has 2; create the sampler with num_replicas=2"
     ):
         GatherState.from_dataloader(DataLoader(MapData(6), sampler=sampler), rank=0, world_size=2)
+
+
+@pytest.mark.parametrize("n", [6, 7, 8])
+def test_sequence_parallel_groups_count_each_index_once_from_their_first_rank(n):
+    """World 4 in 2 groups of 2 ranks (sequence parallelism): the sampler splits over the groups; only each group's
+    first rank contributes, and what the contributors keep covers every index once."""
+    ds = MapData(n)
+    kept = []
+    for rank in range(4):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank // 2, shuffle=False)
+        state = GatherState.from_dataloader(
+            DataLoader(ds, sampler=sampler), rank=rank, world_size=4, ranks_per_replica=2
+        )
+        assert (state.rank, state.world_size, state.contributes) == (rank // 2, 2, rank % 2 == 0)
+        assert "2 groups of 2 ranks" in state.describe()
+        indices = list(sampler)
+        kept += indices[: state.real_count(0, len(indices))]
+        assert not state.contributes or state.real_count(0, len(indices)) == len(range(rank // 2, n, 2))
+    assert sorted(kept) == list(range(n))
+
+
+def test_a_sequence_parallel_group_needs_a_sampler_over_the_groups():
+    ds = MapData(7)
+    wrong = DataLoader(ds, sampler=DistributedSampler(ds, num_replicas=4, rank=3))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "validate dataloader 0: its DistributedSampler has num_replicas=4, rank=3, but with sequence_parallel_size=2 "
+            "this rank is in data-parallel group 1 of 2: create it with num_replicas=2, rank=1 (or let the strategy "
+            "inject it)."
+        ),
+    ):
+        GatherState.from_dataloader(wrong, rank=3, world_size=4, name="validate dataloader 0", ranks_per_replica=2)
+    with pytest.raises(ValueError, match="has no DistributedSampler, and with sequence_parallel_size=2"):
+        GatherState.from_dataloader(DataLoader(ds), rank=0, world_size=2, ranks_per_replica=2)
+
+
+def test_gathered_rows_of_contributing_ranks_come_back_in_sampler_order():
+    """Ranks 1 and 3 send no rows: positions of groups 0 and 1 interleave as the sampler laid them out."""
+    assert global_order((4, 0, 3, 0), (0, 0, 0, 0), 4).tolist() == [0, 4, 1, 5, 2, 6, 3]
+    assert global_order((2, 0, 2, 0), (1, 1, 0, 0), 4).tolist() == [2, 0, 3, 1]
 
 
 def test_batches_positions_and_mask():

@@ -6,25 +6,28 @@ Runs, one after another in this launch (each installs the attention again after 
 ``zero2`` / ``zero3`` (2 steps), ``zero3_tiled`` (``tiled_mlp=True``), ``zero3_checkpointed`` (every decoder layer
 checkpointed, ``cpu_checkpointing=True``), ``zero3_clip`` (gradient_clip_val=0.05), ``zero2_accumulate``
 (accumulate_grad_batches=2, 2 steps), ``zero3_resume`` (1 step saved to OUT/ck, a new Trainer resumes it to step 2
-with ``ZeroExport(OUT/export)``, then ``validate`` logs ``val_loss``); errors: ``generate`` (``generate()`` inside
-``training_step``), ``own_loss`` (a cross-entropy computed in the step from the slice's logits), ``gather_metrics``
-(``GatherForMetrics``), ``rebuilt`` (``validate`` after ``fit`` with a ``configure_model`` that builds the model
-again), ``bad_world`` (sequence_parallel_size=4 on 2 ranks), ``one_head`` (OUT/one_head: a model with one attention
-head), ``eager`` (the model built with eager attention). Each rank writes OUT/result_<rank>.pt: the gathered weights
-after each run, its logged losses, and the errors.
+with ``ZeroExport(OUT/export)``, then ``validate`` logs ``val_loss``), ``gather_metrics`` (``validate`` with
+``GatherForMetrics`` over per-token predictions of whole sequences); errors: ``generate`` (``generate()`` inside
+``training_step``), ``rank_rows`` (an IterableDataset split by global rank), ``gather_per_sequence``
+(``GatherForMetrics`` given one value per sequence computed from a slice), ``own_loss`` (a cross-entropy computed in
+the step from the slice's logits), ``rebuilt`` (``validate`` after ``fit`` with a ``configure_model`` that builds the
+model again), ``bad_world`` (sequence_parallel_size=4 on 2 ranks), ``one_head`` (OUT/one_head: a model with one
+attention head), ``eager`` (the model built with eager attention). Each rank writes OUT/result_<rank>.pt: the gathered
+weights after each run, its logged losses, the metrics and the errors.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, Subset
 
 import lightspeed
 from _support import long_context
@@ -122,10 +125,43 @@ def resume(out: Path) -> dict[str, Any]:
     return {"state": state, "val_loss": float(trainer.callback_metrics["val_loss"])}
 
 
-def gather_metrics(out: Path) -> None:
-    """validate with GatherForMetrics, which gathers whole samples."""
-    callback = lightspeed.callbacks.GatherForMetrics(metrics={})
-    trainer_for(2, 1, callbacks=[callback]).validate(CausalLM(out / "pretrained"), loader(shuffle=False))
+class Scored(CausalLM):
+    """validation_step returns per-token predictions and targets of its slice (``per_sequence``: one value per
+    sequence, computed from the slice)."""
+
+    def __init__(self, pretrained: Path, per_sequence: bool = False) -> None:
+        super().__init__(pretrained)
+        self.per_sequence = per_sequence
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        preds, target = self.model(**batch).logits.argmax(-1), batch["shift_labels"]
+        if self.per_sequence:
+            return {"preds": preds[:, -1], "target": target[:, -1]}
+        return {"preds": preds, "target": target}
+
+
+def gather_metrics(out: Path, per_sequence: bool = False) -> dict[str, Any]:
+    """validate with GatherForMetrics: token accuracy (torchmetrics) and the counts behind it (a plain callable), on
+    all rows but the last (with 2 data-parallel groups, the sampler repeats one row to even them out)."""
+    callback = lightspeed.callbacks.GatherForMetrics(long_context.token_metrics(), gather_every=1)
+    module = Scored(out / "pretrained", per_sequence)
+    rows = Subset(long_context.PaddedTokens(), range(long_context.SAMPLES - 1))
+    trainer_for(3, 1, callbacks=[callback]).validate(module, DataLoader(rows, batch_size=long_context.BATCH))
+    return callback.results["validate"]
+
+
+class RowsByGlobalRank(IterableDataset):
+    """Every rank reads its own rows (split by global rank, as a data-parallel IterableDataset does)."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        data = long_context.PaddedTokens()
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return (data[row] for row in range(rank, len(data), world))
+
+
+def rank_rows(out: Path) -> None:
+    """fit on an IterableDataset split by global rank: a group's ranks would splice different sequences."""
+    trainer_for(2, 1).fit(CausalLM(out / "pretrained"), DataLoader(RowsByGlobalRank(), batch_size=long_context.BATCH))
 
 
 def rebuilt(out: Path) -> None:
@@ -151,8 +187,12 @@ def main(out: Path, runs: list[str]) -> None:
             result[run] = resume(out)
         elif run == "rebuilt":
             result[run] = error_text(lambda: rebuilt(out))
+        elif run == "rank_rows":
+            result[run] = error_text(lambda: rank_rows(out))
         elif run == "gather_metrics":
-            result[run] = error_text(lambda: gather_metrics(out))
+            result[run] = gather_metrics(out)
+        elif run == "gather_per_sequence":
+            result[run] = error_text(lambda: gather_metrics(out, per_sequence=True))
         elif run == "own_loss":
             result[run] = error_text(lambda: fit(out, 2, 1, own_loss=True))
         elif run == "generate":

@@ -105,6 +105,10 @@ class GatherState:
     fingerprint_sent: bool = field(default=False, repr=False)
     #: a problem found locally outside a collective (e.g. by ``track``); raised on every rank at the next gather
     problem: str | None = field(default=None, repr=False)
+    #: ranks that read the same rows (a sequence-parallel group); ``rank`` / ``world_size`` count the groups then
+    ranks_per_replica: int = field(default=1, repr=False)
+    #: whether this rank's samples count: only the first rank of a group of ``ranks_per_replica`` sends its rows
+    contributes: bool = field(default=True, repr=False)
 
     # construction ---------------------------------------------------------------------------------------------
 
@@ -131,9 +135,22 @@ class GatherState:
         rank: int | None = None,
         world_size: int | None = None,
         name: str = "dataloader 0",
+        ranks_per_replica: int | None = None,
     ) -> GatherState:
-        """Read the sampler and dataset of ``dataloader`` (see the module docstring for the rules)."""
-        state = cls._from_dataloader(dataloader, rank, world_size, name)
+        """Read the sampler and dataset of ``dataloader`` (see the module docstring for the rules). With
+        ``ranks_per_replica > 1`` (sequence parallelism) each group of that many consecutive ranks reads the same rows:
+        the layout is read over the groups and only each group's first rank contributes its samples (``None``: the
+        ``lightspeed_sequence_parallel`` a Fabric loader carries says, else 1)."""
+        rank, world_size = _rank_and_world(rank, world_size)
+        if ranks_per_replica is None:
+            ranks_per_replica = getattr(getattr(dataloader, "lightspeed_sequence_parallel", None), "size", 1)
+        if ranks_per_replica < 1 or world_size % ranks_per_replica:
+            raise ValueError(f"{name}: {world_size} ranks do not split into groups of {ranks_per_replica}.")
+        replica, replicas = rank // ranks_per_replica, world_size // ranks_per_replica
+        if ranks_per_replica > 1:
+            _check_group_sampler(dataloader, name, replica, replicas, ranks_per_replica)
+        state = cls._from_dataloader(dataloader, replica, replicas, name)
+        state.ranks_per_replica, state.contributes = ranks_per_replica, rank % ranks_per_replica == 0
         state.drop_last_batches = bool(getattr(dataloader, "drop_last", False))
         state.item_sizes = _item_sizes(dataloader)
         if state.item_sizes is not None:
@@ -263,7 +280,10 @@ class GatherState:
         self.max_batch_size = max(self.max_batch_size, int(batch_size))
 
     def real_count(self, start: int, rows: int) -> int:
-        """How many of ``rows`` samples at local positions ``start, start + 1, ...`` are real."""
+        """How many of ``rows`` samples at local positions ``start, start + 1, ...`` are real (none on a rank that
+        does not contribute: its group's first rank sends the group's rows)."""
+        if not self.contributes:
+            return 0
         if self.real_samples is None:
             return rows
         return max(0, min(rows, self.real_samples - start))
@@ -292,7 +312,8 @@ class GatherState:
 
     def describe(self) -> str:
         """One line for cross-rank checks: every rank must count the samples of the same dataloader alike."""
-        return f"accounting: {self.layout}, total={self.total_samples}, {self.name}"
+        groups = f", {self.world_size} groups of {self.ranks_per_replica} ranks" if self.ranks_per_replica > 1 else ""
+        return f"accounting: {self.layout}, total={self.total_samples}{groups}, {self.name}"
 
     @contextlib.contextmanager
     def active(self) -> Iterator[GatherState]:
@@ -469,6 +490,24 @@ def _fingerprint_leaves(batch: Any, depth: int = 0) -> Iterator[Any]:
                 yield from _fingerprint_leaves(value, depth + 1)
         else:
             yield batch
+
+
+def _check_group_sampler(dataloader: Iterable[Any], name: str, replica: int, replicas: int, size: int) -> None:
+    """Under sequence parallelism the rows are split over the groups of ``size`` ranks: the sampler must say so."""
+    sampler = find_distributed_sampler(dataloader)
+    if sampler is None:
+        raise ValueError(
+            f"{name} has no DistributedSampler, and with sequence_parallel_size={size} lightspeed counts the samples "
+            "of each data-parallel group from its sampler: let the strategy inject one (use_distributed_sampler=True "
+            "in the Trainer, use_distributed_sampler in Fabric's setup_dataloaders) or give it "
+            f"DistributedSampler(dataset, num_replicas={replicas}, rank={replica})."
+        )
+    if (sampler.num_replicas, sampler.rank) != (replicas, replica):
+        raise ValueError(
+            f"{name}: its DistributedSampler has num_replicas={sampler.num_replicas}, rank={sampler.rank}, but with "
+            f"sequence_parallel_size={size} this rank is in data-parallel group {replica} of {replicas}: create it "
+            f"with num_replicas={replicas}, rank={replica} (or let the strategy inject it)."
+        )
 
 
 @functools.lru_cache(maxsize=4)  # the leaves of one gather share their counts: one permutation for all of them

@@ -83,6 +83,19 @@ def gather_for_metrics(
         first_sample: this rank's position of ``data``'s row 0 among the samples it produced this epoch.
         dataloader: the dataloader ``data`` came from (needed when several are iterated at once).
     """
+    return gather_samples(data, state, first_sample=first_sample, dataloader=dataloader, whole=False)
+
+
+def gather_samples(
+    data: Any,
+    state: GatherState | None = None,
+    *,
+    first_sample: int | None = None,
+    dataloader: Any = None,
+    whole: bool = True,
+) -> Any:
+    """:func:`gather_for_metrics` for lightspeed's own gathers; ``whole``: the caller put the slices of a
+    sequence-parallel group back into whole sequences (the user's own call cannot have, and is refused there)."""
     if not is_distributed():
         return data
     if state is not None and dataloader is not None:
@@ -99,6 +112,8 @@ def gather_for_metrics(
         state = state if state is not None else current_state()
         if state is None:
             warn_once(_NO_STATE_WARNING)
+    if not whole and state is not None and state.ranks_per_replica > 1:
+        problem = problem or _SLICES_PROBLEM
     leaves, rebuild = flatten(data)
     problem = problem or (state.problem if state is not None else None) or nested_problem("gather_for_metrics", leaves)
     if problem is not None:
@@ -110,6 +125,13 @@ def gather_for_metrics(
     orders = _global_orders(state, per_rank)
     results = {**_unpack_tensors(sent, per_rank, orders, raw), **_gather_objects(leaves, samples, orders)}
     return rebuild([results[index] for index in range(len(leaves))])
+
+
+_SLICES_PROBLEM = (
+    "with sequence_parallel_size > 1 each rank's step holds a slice of every sequence, which "
+    "gathered as samples would be counted as whole ones. Return per-token predictions and targets of the slice to "
+    "GatherForMetrics (or from exact_metrics' step), which put the slices back together first."
+)
 
 
 def gather_object(obj: Any) -> list[Any]:

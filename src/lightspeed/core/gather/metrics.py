@@ -103,6 +103,10 @@ class LoaderMetrics:
         name: the dataloader, unique among those evaluated together (``"validate dataloader 1"``).
         owner / step / keys: for error messages, who gathers (``"GatherForMetrics"``), the function that produces
             the outputs (``"validation_step"``) and the names it gives the predictions and targets.
+        sequences: the run's sequence parallelism (duck-typed: ``size``, ``enabled`` and ``whole(outputs)``, as
+            :class:`~lightspeed.core.sequence_parallel.SequenceParallel` has them), whose groups' ranks read the same
+            rows and return slices of their sequences; ``None``: the one a Fabric loader carries as
+            ``lightspeed_sequence_parallel``, if any.
     """
 
     def __init__(
@@ -113,8 +117,10 @@ class LoaderMetrics:
         owner: str,
         step: str,
         keys: tuple[str, str] = ("preds", "target"),
+        sequences: Any = None,
     ) -> None:
         self.metrics = dict(metrics)
+        self.sequences = sequences
         self.policy, self.name, self.owner, self.step, self.keys = policy, name, owner, step, keys
         self.state: GatherState | None = None
         #: gathered once at the end of the epoch: the ranks run different (or unknown) numbers of batches
@@ -135,7 +141,10 @@ class LoaderMetrics:
 
     def read_dataloader(self, dataloader: Iterable[Any]) -> GatherState:
         """This epoch's accounting, read from ``dataloader`` (and its batch size, which sizes "auto" windows)."""
-        state = GatherState.from_dataloader(dataloader, name=self.name)
+        if self.sequences is None:
+            self.sequences = getattr(dataloader, "lightspeed_sequence_parallel", None)
+        ranks = self.sequences.size if self.sequences is not None else 1
+        state = GatherState.from_dataloader(dataloader, name=self.name, ranks_per_replica=ranks)
         batch_size = getattr(dataloader, "batch_size", None)
         if batch_size is None and state.item_sizes is not None:  # a BatchSampler given as sampler=
             batch_size = state.item_sizes[0]
@@ -150,6 +159,21 @@ class LoaderMetrics:
             self.add_problem(problem, device)
             return
         self._add({"preds": _detached(preds), "target": _detached(target)}, None, device)
+
+    def add_step_outputs(self, outputs: tuple[Any, Any] | None, problem: str | None, device: torch.device) -> None:
+        """What the step returned for the current batch: ``(preds, target)``, or ``None`` with the ``problem`` that
+        kept them from it. Under sequence parallelism the group's slices are put back into whole sequences first (a
+        collective in the group, which every rank joins, with or without outputs)."""
+        sequences = self.sequences
+        if sequences is not None and sequences.enabled:
+            named = None if problem or outputs is None else dict(zip(self.keys, outputs, strict=True))
+            whole, slice_problem = sequences.whole(named)
+            outputs = None if whole is None else (whole[self.keys[0]], whole[self.keys[1]])
+            problem = problem or (f"{self.owner}: {slice_problem}" if slice_problem else None)
+        if problem is not None or outputs is None:
+            self.add_problem(problem or f"{self.owner}: the step returned no outputs", device)
+        else:
+            self.add(outputs[0], outputs[1], device)
 
     def add_problem(self, problem: str, device: torch.device) -> None:
         """The current batch has no usable outputs on this rank: every rank raises ``problem`` as a
@@ -246,8 +270,8 @@ class LoaderMetrics:
         for outputs in batches:
             self._update(outputs["preds"], outputs["target"], device)
         if self.policy.gather_every == "auto":
-            world_size = torch.distributed.get_world_size()
-            self._window_size = batches_per_window(self.policy.buffer_limit, batches, world_size, window.batches)
+            contributors = torch.distributed.get_world_size() // self._current_state().ranks_per_replica
+            self._window_size = batches_per_window(self.policy.buffer_limit, batches, contributors, window.batches)
 
     def _update(self, preds: Any, target: Any, device: torch.device) -> None:
         """Feed globally gathered, de-duplicated predictions and targets to the metrics."""
@@ -298,8 +322,11 @@ class LoaderMetrics:
         )
 
 
-def uneven_dataloaders(dataloaders: Mapping[str, Any], batch_counts: Mapping[str, float]) -> set[str]:
-    """The dataloaders (by name) whose ranks run different numbers of batches this epoch, or cannot count them.
+def uneven_dataloaders(
+    dataloaders: Mapping[str, Any], batch_counts: Mapping[str, float], ranks_per_replica: int | None = None
+) -> set[str]:
+    """The dataloaders (by name) whose ranks run different numbers of batches this epoch, or cannot count them
+    (``ranks_per_replica``: as :meth:`GatherState.from_dataloader` takes it).
 
     Only shards in which every sample is real may (:attr:`GatherState.batches_may_differ`); their counts (``inf``:
     unknown) are agreed in one object gather, made only when there is such a dataloader (every rank reads the same
@@ -310,7 +337,7 @@ def uneven_dataloaders(dataloaders: Mapping[str, Any], batch_counts: Mapping[str
     candidates = [
         name
         for name, loader in dataloaders.items()
-        if GatherState.from_dataloader(loader, name=name).batches_may_differ
+        if GatherState.from_dataloader(loader, name=name, ranks_per_replica=ranks_per_replica).batches_may_differ
     ]
     if not candidates:
         return set()
@@ -392,11 +419,11 @@ def exact_metrics(
     for batch in track(dataloader, state):
         outputs = step(batch)
         if isinstance(outputs, tuple | list) and len(outputs) == 2:
-            record.add(outputs[0], outputs[1], where(outputs[0]))
+            record.add_step_outputs((outputs[0], outputs[1]), None, where(outputs[0]))
         else:
             sized = f" of {len(outputs)}" if isinstance(outputs, tuple | list) else ""
             returned = f"a {type(outputs).__name__}{sized}"
-            record.add_problem(f"{owner}: step(batch) returned {returned}; return (preds, target).", where())
+            record.add_step_outputs(None, f"{owner}: step(batch) returned {returned}; return (preds, target).", where())
     record.gather_rest(where(), uneven_layouts([record]))
     return record.compute(where())
 

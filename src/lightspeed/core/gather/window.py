@@ -25,7 +25,7 @@ import torch
 
 from lightspeed.core.errors import GatherError
 from lightspeed.core.gather.accounting import GatherState
-from lightspeed.core.gather.api import gather_for_metrics
+from lightspeed.core.gather.api import gather_samples
 from lightspeed.core.gather.collective import fail_gather
 from lightspeed.core.gather.tree import as_leaf
 
@@ -83,11 +83,11 @@ class BatchWindow:
         if not self._outputs:
             raise ValueError("BatchWindow.gather: the window holds no batch; add() one first.")
         if self.batches == 1:  # every rank's window holds one batch (sizes agree): nothing to split
-            gathered = gather_for_metrics(dict(self._outputs[0]), state=state, first_sample=self.first_sample)
+            gathered = gather_samples(dict(self._outputs[0]), state=state, first_sample=self.first_sample)
             return [gathered] if as_leaf(next(iter(gathered.values()))).rows else []
         data = {name: concat_samples([o[name] for o in self._outputs]) for name in self._outputs[0]}
         data[_BATCH_KEY] = torch.cat(self._numbers)
-        gathered = gather_for_metrics(data, state=state, first_sample=self.first_sample)
+        gathered = gather_samples(data, state=state, first_sample=self.first_sample)
         numbers = gathered.pop(_BATCH_KEY)
         return split_by_batch(gathered, numbers)
 
@@ -122,7 +122,7 @@ class BatchWindow:
             data = {name: _empty(kind, device) for name, kind in (layout or {}).items()}
             numbers = torch.zeros(0, dtype=torch.int32)
         data[_BATCH_KEY] = numbers
-        gathered = gather_for_metrics(data, state=state, first_sample=self.first_sample)
+        gathered = gather_samples(data, state=state, first_sample=self.first_sample)
         return split_by_batch(gathered, gathered.pop(_BATCH_KEY))
 
 

@@ -3,6 +3,8 @@ the ranks of one sequence-parallel group share every micro-batch, each holding a
 attention heads for the whole sequence inside every attention layer.
 
 * :mod:`.batch`: the batch each rank trains on (labels shifted on the whole sequence, then cut by the rank's slice);
+* :mod:`.agreement`: the check that a group's ranks split the same rows;
+* :mod:`.outputs`: an evaluation step's per-token outputs put back into whole sequences;
 * :mod:`.loss`: the model's loss over the whole micro-batch, identical on every rank of the group;
 * :mod:`.ulysses`: the attention installed through transformers' attention registry, and the groups;
 * :mod:`.tiling`: the model's MLP blocks run over slices of the sequence (``tiled_mlp``);

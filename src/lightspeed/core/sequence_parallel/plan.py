@@ -10,7 +10,9 @@ from typing import Any
 import torch
 
 from lightspeed.core.errors import SequenceParallelError
+from lightspeed.core.sequence_parallel.agreement import check_same_rows
 from lightspeed.core.sequence_parallel.batch import shard_batch
+from lightspeed.core.sequence_parallel.outputs import SliceLayout, whole_sequences
 from lightspeed.core.sequence_parallel.tiling import tile_mlps
 from lightspeed.core.sequence_parallel.ulysses import UlyssesInstallation, find_causal_lm
 
@@ -35,6 +37,7 @@ class SequenceParallel:
         self._untile: Callable[[], None] | None = None
         self._model: torch.nn.Module | None = None
         self._loss_pending = False  # a batch was split and the model's own loss has not run on it since
+        self._layout: SliceLayout | None = None  # how the last batch was split
 
     @property
     def enabled(self) -> bool:
@@ -124,8 +127,9 @@ class SequenceParallel:
 
     # ------------------------------------------------------------------ each batch
     def shard(self, batch: Any) -> Any:
-        """This rank's slice of ``batch`` (unchanged when off). Installs again on the model of the last
-        :meth:`install` when the front end's teardown removed it and the engine runs on (evaluation after fit)."""
+        """This rank's slice of ``batch`` (unchanged when off), once the group's ranks are found to hold the same rows.
+        Installs again on the model of the last :meth:`install` when the front end's teardown removed it and the
+        engine runs on (evaluation after fit)."""
         if not self.enabled:
             return batch
         if self._installed is None:
@@ -133,5 +137,14 @@ class SequenceParallel:
                 raise SequenceParallelError("a batch was split before the model's engine was built")
             self.install(self._model)
         assert self._installed is not None
+        sharded = shard_batch(batch, self._installed.rank, self.size, self._installed.pad_token_id)
+        check_same_rows(batch, self._installed.group, self.size)
         self._loss_pending = True
-        return shard_batch(batch, self._installed.rank, self.size, self._installed.pad_token_id)
+        rows, length = batch["input_ids"].shape
+        self._layout = SliceLayout(rows, length, self.size, self._installed.group)
+        return sharded
+
+    def whole(self, outputs: Any) -> tuple[Any, str | None]:
+        """An evaluation step's per-token ``outputs`` on the last split batch, whole sequences again (a collective in
+        the group), or ``(None, why not)`` on every rank of the group: see :func:`.outputs.whole_sequences`."""
+        return whole_sequences(outputs, self._layout)

@@ -404,6 +404,11 @@ class ZeroConfigProperties:
         return self._session.sequence_parallel.size
 
     @property
+    def sequence_parallel(self) -> SequenceParallel:
+        """The run's sequence parallelism (what evaluation callbacks ask to put per-token slices back together)."""
+        return self._session.sequence_parallel
+
+    @property
     def activation_checkpointing_policy(self) -> Policy | None:
         """The module classes whose forward is checkpointed in training (None: none)."""
         return self._session.activation_checkpointing_policy
