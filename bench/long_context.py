@@ -10,7 +10,9 @@ before the step, minus ``VmRSS`` just before; glibc's ``MALLOC_MMAP_THRESHOLD_=6
 resident set at once) and the bytes autograd saves for the backward pass (``saved_tensors_hooks``, each storage once,
 weights not counted). The cap is sp 1's peak at its longest length: sp 2 then trains longer sequences (that length
 times 1.5, 1.75, 1.8, 1.9, 2.0, ...) until one exceeds it, and the longest that stays under it is compared with sp
-1's; the same again for sp 2 with ``tiled_mlp=True`` (DeepSpeed's ``TiledMLP``). Throughput at
+1's; the same again for sp 2 with ``tiled_mlp=True`` (DeepSpeed's ``TiledMLP``), and with ``tiled_logits_loss=256``
+as well (the loss over chunks of 256 tokens, ``--logits-chunk``: the ``[tokens, vocabulary]`` logits never whole;
+``True``'s default of about 1 GiB per chunk would be one chunk at this vocabulary). Throughput at
 equal tokens: sp 1 trains 2 rows per step (one per rank), sp 2 trains 2 rows per step (both ranks on each), at the
 longest length; tokens per second of the slowest rank, median of the timed steps.
 """
@@ -91,7 +93,9 @@ def worker(args: argparse.Namespace, out: Path) -> None:
     import lightspeed
 
     torch.set_num_threads(1)
-    strategy = lightspeed.fabric.ZeroFabricStrategy(stage=2, sequence_parallel_size=args.sp, tiled_mlp=args.tiled_mlp)
+    strategy = lightspeed.fabric.ZeroFabricStrategy(
+        stage=2, sequence_parallel_size=args.sp, tiled_mlp=args.tiled_mlp, tiled_logits_loss=args.logits_chunk or False
+    )
     fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=2)
     fabric.launch()
     longest = max(args.lengths) * (max(args.stretch) if args.sp > 1 else 1)
@@ -123,7 +127,9 @@ def worker(args: argparse.Namespace, out: Path) -> None:
         out.write_text(json.dumps(gathered))
 
 
-def launch(args: argparse.Namespace, sp: int, cap: float, tiled_mlp: bool = False) -> list[dict[str, Any]]:
+def launch(
+    args: argparse.Namespace, sp: int, cap: float, tiled_mlp: bool = False, logits_chunk: int = 0
+) -> list[dict[str, Any]]:
     out = Path(tempfile.mkstemp(suffix=".json")[1])
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     env["PYTHONPATH"] = str(ROOT / "src")
@@ -132,6 +138,7 @@ def launch(args: argparse.Namespace, sp: int, cap: float, tiled_mlp: bool = Fals
     command += ["--layers", str(args.layers), "--repeats", str(args.repeats), "--lengths"]
     command += [str(length) for length in args.lengths] + ["--stretch"] + [str(f) for f in args.stretch]
     command += ["--tiled-mlp"] if tiled_mlp else []
+    command += ["--logits-chunk", str(logits_chunk)]
     subprocess.run(command, env=env, check=True, capture_output=True)
     return json.loads(out.read_text())
 
@@ -143,8 +150,11 @@ def worst(ranks: list[dict[str, Any]], section: str, length: str, key: str) -> f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
-    parser.add_argument("--stretch", type=float, nargs="+", default=[1.5, 1.75, 1.8, 1.9, 2.0, 2.1, 2.25, 2.5, 3.0])
+    parser.add_argument(
+        "--stretch", type=float, nargs="+", default=[1.5, 1.75, 1.8, 1.9, 2.0, 2.1, 2.25, 2.5, 3.0, 3.5, 4.0]
+    )
     parser.add_argument("--tiled-mlp", action="store_true")
+    parser.add_argument("--logits-chunk", type=int, default=256)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
@@ -156,11 +166,12 @@ def main() -> None:
         worker(args, args.worker)
         return
     print(f"load: {os.getloadavg()[0]:.1f}")
-    plain = launch(args, 1, 0.0)
+    plain = launch(args, 1, 0.0)  # the launches without tiled_logits_loss pass --logits-chunk 0
     longest = str(max(args.lengths))
     cap = worst(plain, "memory", longest, "peak")
     split = launch(args, 2, cap)
     tiled = launch(args, 2, cap, tiled_mlp=True)
+    both = launch(args, 2, cap, tiled_mlp=True, logits_chunk=args.logits_chunk)
     print(f"load: {os.getloadavg()[0]:.1f}")
     print(f"Llama {args.layers} x {args.width}, 8 heads, ZeRO-2, 2 CPU ranks, one row per rank (sp 1) or per group")
     print("length | sp 1 peak / rank | sp 2 peak / rank | ratio | sp 1 saved / rank | sp 2 saved / rank | ratio")
@@ -172,7 +183,8 @@ def main() -> None:
             f"{s2 / MIB:9.1f} MiB | {s2 / s1:.2f}"
         )
     print(f"cap {cap / MIB:.1f} MiB / rank: sp 1's peak at {longest} tokens")
-    for name, ranks in (("sp 2", split), ("sp 2 + tiled_mlp", tiled)):
+    logits = f"sp 2 + tiled_mlp + tiled_logits_loss={args.logits_chunk}"
+    for name, ranks in (("sp 2", split), ("sp 2 + tiled_mlp", tiled), (logits, both)):
         for length in ranks[0]["stretch"]:
             print(f"{name} at {length}: peak {worst(ranks, 'stretch', length, 'peak') / MIB:.1f} MiB / rank")
         fitting = [int(length) for length in ranks[0]["stretch"] if worst(ranks, "stretch", length, "peak") <= cap]
@@ -180,10 +192,12 @@ def main() -> None:
         print(f"{name} fits {most} tokens under the cap: {most / int(longest):.2f}x sp 1's {longest}")
     times1 = statistics.median(max(rank["speed"][i] for rank in plain) for i in range(args.repeats))
     times2 = statistics.median(max(rank["speed"][i] for rank in split) for i in range(args.repeats))
+    times3 = statistics.median(max(rank["speed"][i] for rank in both) for i in range(args.repeats))
     tokens = 2 * int(longest)
     print(
         f"throughput at {longest} tokens, 2 rows per step: sp 1 {tokens / times1:.0f} tokens/s, sp 2 "
-        f"{tokens / times2:.0f} tokens/s: {times1 / times2:.2f}x sp 1"
+        f"{tokens / times2:.0f} tokens/s: {times1 / times2:.2f}x sp 1; {logits}: {tokens / times3:.0f} tokens/s, "
+        f"{times1 / times3:.2f}x sp 1"
     )
 
 

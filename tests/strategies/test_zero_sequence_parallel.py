@@ -32,6 +32,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
         "zero2",
         "zero3",
         "zero3_tiled",
+        "zero3_tiled_logits",
+        "zero2_accumulate_tiled_logits",
+        "zero3_tiled_logits_data_parallel",
         "zero3_checkpointed",
         "zero3_clip",
         "zero2_accumulate",
@@ -49,7 +52,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
     return out, _launch(out, 2, runs)
 
 
-@pytest.mark.parametrize("run", ["zero2", "zero3", "zero3_tiled", "zero3_checkpointed"])
+@pytest.mark.parametrize("run", ["zero2", "zero3", "zero3_tiled", "zero3_tiled_logits", "zero3_checkpointed"])
 def test_one_group_of_two_trains_like_one_process_on_whole_sequences(two_ranks: Any, run: str) -> None:
     out, results = two_ranks
     want = long_context.reference(out / "pretrained", data_parallel=1, steps=2)
@@ -66,11 +69,31 @@ def test_gradients_are_clipped_by_the_norm_of_the_whole_gradient(two_ranks: Any)
         long_context.assert_close(result["zero3_clip"]["state"], want, f"clipped rank {rank}")
 
 
-def test_accumulated_windows_train_like_one_process(two_ranks: Any) -> None:
+@pytest.mark.parametrize("run", ["zero2_accumulate", "zero2_accumulate_tiled_logits"])
+def test_accumulated_windows_train_like_one_process(two_ranks: Any, run: str) -> None:
     out, results = two_ranks
     want = long_context.reference(out / "pretrained", data_parallel=1, steps=2, accumulate=2)
     for rank, result in enumerate(results):
-        long_context.assert_close(result["zero2_accumulate"]["state"], want, f"accumulate rank {rank}")
+        long_context.assert_close(result[run]["state"], want, f"{run} rank {rank}")
+
+
+def test_the_tiled_logits_loss_logs_the_loss_of_whole_logits(two_ranks: Any) -> None:
+    """The chunked cross-entropy is the model's own loss: every logged value equals the untiled run's; the training
+    steps' outputs held no logits (they never existed whole)."""
+    _, results = two_ranks
+    for result in results:
+        assert result["zero3_tiled_logits"]["losses"] == pytest.approx(result["zero3"]["losses"], rel=0, abs=1e-6)
+        assert result["zero3"]["had_logits"] == [True, True]
+        for run in ("zero3_tiled_logits", "zero2_accumulate_tiled_logits", "zero3_tiled_logits_data_parallel"):
+            assert not any(result[run]["had_logits"]), run
+
+
+def test_the_tiled_logits_loss_without_sequence_parallelism_trains_like_one_process(two_ranks: Any) -> None:
+    """2 data-parallel ranks, whole sequences, the loss over chunks of 5 tokens, ZeRO-3."""
+    out, results = two_ranks
+    want = long_context.reference(out / "pretrained", data_parallel=2, steps=2)
+    for rank, result in enumerate(results):
+        long_context.assert_close(result["zero3_tiled_logits_data_parallel"]["state"], want, f"rank {rank}")
 
 
 def test_every_rank_logs_the_loss_of_the_whole_micro_batch(two_ranks: Any) -> None:

@@ -149,6 +149,7 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
             :class:`~lightspeed.strategies.ZeroStrategy`: the loaders of ``fabric.setup_dataloaders`` yield each
             rank's slice, and the loop calls ``model(**batch)`` with it. 1 (default): off.
         tiled_mlp: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
+        tiled_logits_loss: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
         **unsupported: none is taken: a keyword the Fabric strategy does not take (e.g. ``sync_with_dataloader``,
             ``offload_params_device``) is a ``TypeError`` saying what to use instead.
     """
@@ -190,6 +191,7 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
         leaf_modules: Collection[type[Module] | str] | type[Module] | str | None = "auto",
         sequence_parallel_size: int = 1,
         tiled_mlp: bool = False,
+        tiled_logits_loss: bool | int = False,
         **unsupported: Any,
     ) -> None:
         refuse_unknown_keywords(type(self).__name__, unsupported, ZeroFabricStrategy, "Fabric")

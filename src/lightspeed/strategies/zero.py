@@ -153,6 +153,10 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
             ``TiledMLP``, ``ceil(sequence / hidden size)`` slices): their intermediate activations exist for one slice
             at a time, at the cost of one more MLP forward in the backward pass. With or without sequence
             parallelism.
+        tiled_logits_loss: compute the HuggingFace causal LM's training loss over chunks of tokens, so that the
+            whole ``[tokens, vocabulary]`` logits never exist (each chunk's are made again in the backward pass):
+            True (about 1 GiB of float32 logits per chunk) or the tokens per chunk. The model's output then has no
+            logits when it is called with labels in training. With or without sequence parallelism.
         **unsupported: none is taken: a keyword of Lightning's ``DeepSpeedStrategy`` that lightspeed does not take
             (e.g. ``offload_params_device``, ``logging_batch_size_per_gpu``) is a ``TypeError`` saying what to use
             instead.
@@ -200,6 +204,7 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         leaf_modules: Collection[type[torch.nn.Module] | str] | type[torch.nn.Module] | str | None = "auto",
         sequence_parallel_size: int = 1,
         tiled_mlp: bool = False,
+        tiled_logits_loss: bool | int = False,
         **unsupported: Any,
     ) -> None:
         refuse_unknown_keywords(type(self).__name__, unsupported, ZeroStrategy, "Trainer")

@@ -110,9 +110,9 @@ def test_a_sequence_parallel_group_needs_a_sampler_over_the_groups():
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "validate dataloader 0: its DistributedSampler has num_replicas=4, rank=3, but with sequence_parallel_size=2 "
-            "this rank is in data-parallel group 1 of 2: create it with num_replicas=2, rank=1 (or let the strategy "
-            "inject it)."
+            "validate dataloader 0: its DistributedSampler has num_replicas=4, rank=3, but with "
+            "sequence_parallel_size=2 this rank is in data-parallel group 1 of 2: create it with num_replicas=2, "
+            "rank=1 (or let the strategy inject it)."
         ),
     ):
         GatherState.from_dataloader(wrong, rank=3, world_size=4, name="validate dataloader 0", ranks_per_replica=2)

@@ -53,6 +53,15 @@ def test_the_size_is_a_whole_number(size: object) -> None:
         SequenceParallel(size)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("chunks", [0, -3, 2.0, "yes", None])
+def test_tiled_logits_loss_is_a_switch_or_the_tokens_per_chunk(chunks: object) -> None:
+    with pytest.raises(SequenceParallelError) as caught:
+        SequenceParallel(1, tiled_logits_loss=chunks)  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        f"tiled_logits_loss must be True, False or the tokens per chunk (a whole number >= 1), got {chunks!r}."
+    )
+
+
 def test_zero3_reduction_paths_whose_averaging_differs_per_bucket_are_refused() -> None:
     zero = {"stage": 3, "reduce_scatter": False}
     with pytest.raises(SequenceParallelError) as caught:
@@ -83,3 +92,43 @@ def test_the_model_must_hold_exactly_one_huggingface_causal_lm() -> None:
     )
     with pytest.raises(SequenceParallelError, match=r"and found none in Linear\. Build the model with transformers"):
         find_causal_lm(torch.nn.Linear(2, 2))
+
+
+def _tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
+    return LlamaForCausalLM(config)
+
+
+def test_the_tilings_install_and_remove_without_a_trace() -> None:
+    model = _tiny_llama()
+    before = {name: set(vars(module)) for name, module in model.named_modules()}
+    plan = SequenceParallel(1, tiled_mlp=True, tiled_logits_loss=3)
+    assert plan.install(model) is None  # no sequence parallelism: no mpu
+    assert (
+        "forward" in vars(model) and "forward" in vars(model.lm_head) and "forward" in vars(model.model.layers[0].mlp)
+    )
+    plan.remove()
+    assert {name: set(vars(module)) for name, module in model.named_modules()} == before
+
+
+def test_a_refused_tiling_leaves_the_model_as_it_was() -> None:
+    """tiled_mlp installs first; tiled_logits_loss then refuses a loss function of the user's own: the MLPs are
+    given their own forward back."""
+    model = _tiny_llama()
+    model.loss_function = lambda *args, **kwargs: torch.zeros(())  # type: ignore[method-assign, assignment]
+    before = {name: set(vars(module)) for name, module in model.named_modules()}
+    with pytest.raises(SequenceParallelError, match=r"^tiled_logits_loss computes HuggingFace's causal-LM"):
+        SequenceParallel(1, tiled_mlp=True, tiled_logits_loss=True).install(model)
+    assert {name: set(vars(module)) for name, module in model.named_modules()} == before
+
+
+def test_the_tiled_logits_loss_is_refused_with_compilation() -> None:
+    with pytest.raises(SequenceParallelError) as caught:
+        SequenceParallel(1, tiled_logits_loss=True).install(_tiny_llama(), compiled=True)
+    assert str(caught.value) == (
+        "tiled_logits_loss replaces the forward of the model and of its output embeddings, which has not been tested "
+        "with compilation (compile=True or a torch.compile'd model): leave one of them off."
+    )
+    SequenceParallel(1, tiled_mlp=True).install(_tiny_llama(), compiled=True)  # the other tiling is not concerned

@@ -1,6 +1,7 @@
 """Worker: Ulysses sequence parallelism in a Fabric loop, ``ZeroFabricStrategy(stage, sequence_parallel_size=2)``.
 
-usage: zero_sequence_parallel.py OUT STAGE   (OUT/pretrained: written by the test)
+usage: zero_sequence_parallel.py OUT STAGE TILED_LOGITS   (OUT/pretrained: written by the test; TILED_LOGITS: the
+strategy's ``tiled_logits_loss``, 0 for off or the tokens per chunk)
 
 The model is built under ``fabric.init_module()``; one step, ``fabric.save(OUT/ck_<STAGE>)``, then a new model and
 optimizer ``fabric.load`` it and train the second step from the loader's second batch. Each rank writes
@@ -33,9 +34,11 @@ def build(fabric: L.Fabric, pretrained: Path) -> tuple[Any, Any]:
     return fabric.setup(model, long_context.optimizer(model))
 
 
-def main(out: Path, stage: int) -> None:
+def main(out: Path, stage: int, tiled_logits: int) -> None:
     world = int(os.environ["WORLD_SIZE"])
-    strategy = lightspeed.fabric.ZeroFabricStrategy(stage=stage, sequence_parallel_size=2)
+    strategy = lightspeed.fabric.ZeroFabricStrategy(
+        stage=stage, sequence_parallel_size=2, tiled_logits_loss=tiled_logits or False
+    )
     fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=world)
     fabric.launch()
     data = DataLoader(long_context.PaddedTokens(), batch_size=long_context.BATCH, shuffle=True)
@@ -49,6 +52,7 @@ def main(out: Path, stage: int) -> None:
     rows = Subset(long_context.PaddedTokens(), range(long_context.SAMPLES - 1))
     evaluation = fabric.setup_dataloaders(DataLoader(rows, batch_size=long_context.BATCH))
 
+    @torch.no_grad()
     def step(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return model(**batch).logits.argmax(-1), batch["shift_labels"]
 
@@ -78,4 +82,4 @@ def main(out: Path, stage: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

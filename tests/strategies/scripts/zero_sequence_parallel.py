@@ -2,18 +2,20 @@
 
 usage: zero_sequence_parallel.py OUT RUNS   (OUT/pretrained: written by the test; RUNS: comma-separated names)
 
-Runs, one after another in this launch (each installs the attention again after the previous one removed it):
-``zero2`` / ``zero3`` (2 steps), ``zero3_tiled`` (``tiled_mlp=True``), ``zero3_checkpointed`` (every decoder layer
-checkpointed, ``cpu_checkpointing=True``), ``zero3_clip`` (gradient_clip_val=0.05), ``zero2_accumulate``
-(accumulate_grad_batches=2, 2 steps), ``zero3_resume`` (1 step saved to OUT/ck, a new Trainer resumes it to step 2
-with ``ZeroExport(OUT/export)``, then ``validate`` logs ``val_loss``), ``gather_metrics`` (``validate`` with
-``GatherForMetrics`` over per-token predictions of whole sequences); errors: ``generate`` (``generate()`` inside
-``training_step``), ``rank_rows`` (an IterableDataset split by global rank), ``gather_per_sequence``
-(``GatherForMetrics`` given one value per sequence computed from a slice), ``own_loss`` (a cross-entropy computed in
-the step from the slice's logits), ``rebuilt`` (``validate`` after ``fit`` with a ``configure_model`` that builds the
-model again), ``bad_world`` (sequence_parallel_size=4 on 2 ranks), ``one_head`` (OUT/one_head: a model with one
-attention head), ``eager`` (the model built with eager attention). Each rank writes OUT/result_<rank>.pt: the gathered
-weights after each run, its logged losses, the metrics and the errors.
+Runs, one after another in this launch (each installs the attention again after the previous one removed it): ``zero2``
+/ ``zero3`` (2 steps), ``zero3_tiled`` (``tiled_mlp=True``), ``zero3_tiled_logits`` (``tiled_logits_loss=4``),
+``zero2_accumulate_tiled_logits`` (``tiled_logits_loss=True``, accumulation 2), ``zero3_tiled_logits_data_parallel``
+(``tiled_logits_loss=5`` without sequence parallelism), ``zero3_checkpointed`` (every decoder layer checkpointed,
+``cpu_checkpointing=True``), ``zero3_clip`` (gradient_clip_val=0.05), ``zero2_accumulate`` (accumulate_grad_batches=2, 2
+steps), ``zero3_resume`` (1 step saved to OUT/ck, a new Trainer resumes it to step 2 with ``ZeroExport(OUT/export)``,
+then ``validate`` logs ``val_loss``), ``gather_metrics`` (``validate`` with ``GatherForMetrics`` over per-token
+predictions of whole sequences); errors: ``generate`` (``generate()`` inside ``training_step``), ``rank_rows`` (an
+IterableDataset split by global rank), ``gather_per_sequence`` (``GatherForMetrics`` given one value per sequence
+computed from a slice), ``own_loss`` (a cross-entropy computed in the step from the slice's logits), ``rebuilt``
+(``validate`` after ``fit`` with a ``configure_model`` that builds the model again), ``bad_world``
+(sequence_parallel_size=4 on 2 ranks), ``one_head`` (OUT/one_head: a model with one attention head), ``eager`` (the
+model built with eager attention). Each rank writes OUT/result_<rank>.pt: the gathered weights after each run, its
+logged losses, the metrics and the errors.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class CausalLM(L.LightningModule):
         self.pretrained, self.attn_implementation, self.generate = pretrained, attn_implementation, generate
         self.rebuild = rebuild  # configure_model builds a new model in every stage (not idempotent)
         self.losses: list[float] = []
+        self.had_logits: list[bool] = []  # whether each training step's output held logits
 
     def configure_model(self) -> None:
         if getattr(self, "model", None) is not None and not self.rebuild:
@@ -63,7 +66,9 @@ class CausalLM(L.LightningModule):
             logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
         else:
-            loss = self.model(**batch).loss
+            output = self.model(**batch)
+            loss = output.loss
+            self.had_logits.append(output.logits is not None)
         self.losses.append(float(loss.detach()))
         return loss
 
@@ -75,7 +80,13 @@ class CausalLM(L.LightningModule):
 
 
 def trainer_for(
-    stage: int, steps: int, size: int = 2, tiled_mlp: bool = False, checkpointed: bool = False, **settings: Any
+    stage: int,
+    steps: int,
+    size: int = 2,
+    tiled_mlp: bool = False,
+    checkpointed: bool = False,
+    tiled_logits: int | bool = False,
+    **settings: Any,
 ) -> L.Trainer:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -83,6 +94,7 @@ def trainer_for(
         stage=stage,
         sequence_parallel_size=size,
         tiled_mlp=tiled_mlp,
+        tiled_logits_loss=tiled_logits,
         activation_checkpointing_policy={LlamaDecoderLayer} if checkpointed else None,
         cpu_checkpointing=True if checkpointed else "auto",
     )
@@ -104,14 +116,22 @@ def fit(
     tiled_mlp: bool = False,
     clip: float | None = None,
     checkpointed: bool = False,
+    tiled_logits: int | bool = False,
     **model: Any,
 ) -> dict[str, Any]:
     module = CausalLM(out / pretrained, **model)
     trainer = trainer_for(
-        stage, steps, size, tiled_mlp, checkpointed, accumulate_grad_batches=accumulate, gradient_clip_val=clip
+        stage,
+        steps,
+        size,
+        tiled_mlp,
+        checkpointed,
+        tiled_logits,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
     )
     trainer.fit(module, loader())
-    return {"state": full_state_dict(module.model), "losses": module.losses}
+    return {"state": full_state_dict(module.model), "losses": module.losses, "had_logits": module.had_logits}
 
 
 def resume(out: Path) -> dict[str, Any]:
@@ -179,6 +199,12 @@ def main(out: Path, runs: list[str]) -> None:
             result[run] = fit(out, 2, 2, accumulate=2)
         elif run == "zero3_tiled":
             result[run] = fit(out, 3, 2, tiled_mlp=True)
+        elif run == "zero3_tiled_logits":
+            result[run] = fit(out, 3, 2, tiled_logits=4)
+        elif run == "zero2_accumulate_tiled_logits":
+            result[run] = fit(out, 2, 2, accumulate=2, tiled_logits=True)
+        elif run == "zero3_tiled_logits_data_parallel":
+            result[run] = fit(out, 3, 2, size=1, tiled_logits=5)
         elif run == "zero3_checkpointed":
             result[run] = fit(out, 3, 2, checkpointed=True)
         elif run == "zero3_clip":

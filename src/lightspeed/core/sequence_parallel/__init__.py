@@ -7,6 +7,7 @@ attention heads for the whole sequence inside every attention layer.
 * :mod:`.outputs`: an evaluation step's per-token outputs put back into whole sequences;
 * :mod:`.loss`: the model's loss over the whole micro-batch, identical on every rank of the group;
 * :mod:`.ulysses`: the attention installed through transformers' attention registry, and the groups;
+* :mod:`.logits`: the model's loss over chunks of tokens, without whole logits (``tiled_logits_loss``);
 * :mod:`.tiling`: the model's MLP blocks run over slices of the sequence (``tiled_mlp``);
 * :mod:`.plan`: what a front end asks (sampler ranks, the gradient factor, the checks before the first step).
 """

@@ -12,6 +12,7 @@ import torch
 from lightspeed.core.errors import SequenceParallelError
 from lightspeed.core.sequence_parallel.agreement import check_same_rows
 from lightspeed.core.sequence_parallel.batch import shard_batch
+from lightspeed.core.sequence_parallel.logits import tile_logits_loss
 from lightspeed.core.sequence_parallel.outputs import SliceLayout, whole_sequences
 from lightspeed.core.sequence_parallel.tiling import tile_mlps
 from lightspeed.core.sequence_parallel.ulysses import UlyssesInstallation, find_causal_lm
@@ -21,20 +22,28 @@ __all__ = ["SequenceParallel"]
 
 class SequenceParallel:
     """Ulysses sequence parallelism over groups of ``size`` consecutive ranks (1: off, every method a no-op), and
-    ``tiled_mlp`` (DeepSpeed's ``TiledMLP``, with or without sequence parallelism).
+    the model's memory savers for long sequences, with or without it: ``tiled_mlp`` (DeepSpeed's ``TiledMLP``) and
+    ``tiled_logits_loss`` (the loss over chunks of tokens, :mod:`.logits`: True, or the tokens per chunk).
 
     The world is ``data-parallel x sequence-parallel``: rank ``r`` is position ``r % size`` of data-parallel group
     ``r // size``; the ranks of one group read the same rows and each trains on its slice of their sequences."""
 
-    def __init__(self, size: int = 1, tiled_mlp: bool = False) -> None:
+    def __init__(self, size: int = 1, tiled_mlp: bool = False, tiled_logits_loss: bool | int = False) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise SequenceParallelError(f"sequence_parallel_size must be a whole number >= 1, got {size!r}.")
         if not isinstance(tiled_mlp, bool):
             raise SequenceParallelError(f"tiled_mlp must be True or False, got {tiled_mlp!r}.")
+        chunks = tiled_logits_loss
+        if not (isinstance(chunks, bool) or (isinstance(chunks, int) and chunks >= 1)):
+            raise SequenceParallelError(
+                f"tiled_logits_loss must be True, False or the tokens per chunk (a whole number >= 1), got "
+                f"{tiled_logits_loss!r}."
+            )
         self.size = size
         self.tiled_mlp = tiled_mlp
+        self.tiled_logits_loss = tiled_logits_loss
         self._installed: UlyssesInstallation | None = None
-        self._untile: Callable[[], None] | None = None
+        self._untile: list[Callable[[], None]] = []  # undo the tilings, in this order
         self._model: torch.nn.Module | None = None
         self._loss_pending = False  # a batch was split and the model's own loss has not run on it since
         self._layout: SliceLayout | None = None  # how the last batch was split
@@ -103,16 +112,28 @@ class SequenceParallel:
         return 1.0
 
     # ------------------------------------------------------------------ the model
-    def install(self, model: torch.nn.Module) -> Any:
-        """Install Ulysses attention and the whole-sequence loss (and the tiled MLPs) on ``model`` (a collective:
-        every rank, before its engine is built); returns the ``mpu`` DeepSpeed's engine takes (None without sequence
-        parallelism)."""
-        if self._model is not model or (self._installed is None and self._untile is None):
+    def install(self, model: torch.nn.Module, compiled: bool = False) -> Any:
+        """Install Ulysses attention and the whole-sequence loss (and the tilings) on ``model`` (a collective: every
+        rank, before its engine is built; ``compiled``: the engine will be compiled); returns the ``mpu`` DeepSpeed's
+        engine takes (None without sequence parallelism). A refusal leaves the model as it was."""
+        if compiled and self.tiled_logits_loss is not False:
+            raise SequenceParallelError(
+                "tiled_logits_loss replaces the forward of the model and of its output embeddings, which has not been "
+                "tested with compilation (compile=True or a torch.compile'd model): leave one of them off."
+            )
+        if self._model is not model or (self._installed is None and not self._untile):
             self.remove()
-            if self.tiled_mlp:
-                self._untile = tile_mlps(find_causal_lm(model))
-            if self.enabled:
-                self._installed = UlyssesInstallation(model, self.size, self._loss_ran)
+            try:
+                if self.tiled_mlp:
+                    self._untile.append(tile_mlps(find_causal_lm(model)))
+                if self.tiled_logits_loss is not False:  # before Ulysses: its whole-sequence loss wraps the tiled one
+                    chunk = None if self.tiled_logits_loss is True else int(self.tiled_logits_loss)
+                    self._untile.insert(0, tile_logits_loss(find_causal_lm(model), chunk))
+                if self.enabled:
+                    self._installed = UlyssesInstallation(model, self.size, self._loss_ran)
+            except BaseException:
+                self.remove()
+                raise
             self._model = model
         return self._installed.mpu if self._installed is not None else None
 
@@ -121,9 +142,8 @@ class SequenceParallel:
         if self._installed is not None:
             self._installed.remove()
             self._installed = None
-        if self._untile is not None:
-            self._untile()
-            self._untile = None
+        while self._untile:
+            self._untile.pop(0)()
 
     # ------------------------------------------------------------------ each batch
     def shard(self, batch: Any) -> Any:

@@ -144,7 +144,8 @@ class UlyssesInstallation:
         return any(module is self.causal_lm for module in model.modules())
 
     def remove(self) -> None:
-        """Give the model its own attention and loss back and release DeepSpeed's sequence-parallel groups."""
+        """Give the model its own attention and loss back and release DeepSpeed's sequence-parallel groups (and its
+        global record of them, which the next engine built without sequence parallelism would read)."""
         if self._registry[self._implementation] is self._installed:
             self._registry[self._implementation] = self._original_attention
         if self._own_generate is None:
@@ -156,3 +157,7 @@ class UlyssesInstallation:
         else:
             vars(self.causal_lm).pop("_loss_function", None)
         self.mpu._release_sequence_parallel_groups()
+        from deepspeed.utils import groups
+
+        if groups.mpu is self.mpu:  # set by the engine: the next engine without sequence parallelism would ask it
+            groups.mpu = None

@@ -74,6 +74,7 @@ class ZeroSession:
             mixture-of-experts blocks found).
         sequence_parallel_size: ranks that split each sequence (Ulysses attention; 1: off).
         tiled_mlp: run the model's MLP blocks over slices of the sequence (DeepSpeed's ``TiledMLP``).
+        tiled_logits_loss: compute the model's training loss over chunks of tokens (True, or the tokens per chunk).
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class ZeroSession:
         leaf_modules: LeafModules | None = None,
         sequence_parallel_size: int = 1,
         tiled_mlp: bool = False,
+        tiled_logits_loss: bool | int = False,
     ) -> None:
         if node_local_storage:
             config.setdefault("checkpoint", {})["use_node_local_storage"] = True
@@ -97,7 +99,7 @@ class ZeroSession:
         self.compiled_with: CompileRequest | None = None  # what the last engine was compiled with
         self.activation_checkpointing_policy = activation_checkpointing_policy
         self.leaf_modules = LeafModules() if leaf_modules is None else leaf_modules
-        self.sequence_parallel = SequenceParallel(sequence_parallel_size, tiled_mlp)
+        self.sequence_parallel = SequenceParallel(sequence_parallel_size, tiled_mlp, tiled_logits_loss)
         if exclude_frozen_parameters != "auto" and not isinstance(exclude_frozen_parameters, bool):
             raise ValueError(
                 f"exclude_frozen_parameters must be True, False or 'auto', got {exclude_frozen_parameters!r}"
@@ -123,7 +125,7 @@ class ZeroSession:
         """The session of a front end built with ``arguments`` (its constructor's, by name; left out: the defaults):
         ``compile``, ``compile_kwargs``, ``activation_checkpointing_policy`` (already parsed), ``leaf_modules`` (checked
         here: a bad one fails when the strategy is created), ``node_local_storage``,
-        ``exclude_frozen_parameters``, ``sequence_parallel_size`` and ``tiled_mlp``.
+        ``exclude_frozen_parameters``, ``sequence_parallel_size``, ``tiled_mlp`` and ``tiled_logits_loss``.
         ``owner`` names the strategy class in messages."""
         return cls(
             config,
@@ -136,6 +138,7 @@ class ZeroSession:
             leaf_modules=LeafModules.of(arguments.get("leaf_modules", AUTO)),
             sequence_parallel_size=arguments.get("sequence_parallel_size", 1),
             tiled_mlp=arguments.get("tiled_mlp", False),
+            tiled_logits_loss=arguments.get("tiled_logits_loss", False),
         )
 
     @property
@@ -252,7 +255,7 @@ class ZeroSession:
                 self._info(message)
         self.prepare_compile(model, config, device_kind)
         self.sequence_parallel.check_config(config_stage(config), config.get("zero_optimization") or {})
-        mpu = self.sequence_parallel.install(model)
+        mpu = self.sequence_parallel.install(model, compiled=self.compile_request is not None)
         engine, deepspeed_optimizer, deepspeed_scheduler = initialize_engine(
             config, model, optimizer, scheduler, device_index, local_rank, self.leaf_modules, mpu=mpu
         )
