@@ -21,6 +21,7 @@ SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_sequence_paralle
 def _launch(tmp_path: Path, world: int, runs: list[str]) -> list[dict[str, Any]]:
     long_context.write_pretrained(tmp_path / "pretrained")
     long_context.write_pretrained(tmp_path / "one_head", num_attention_heads=1, num_key_value_heads=1)
+    long_context.write_pretrained(tmp_path / "one_kv_head", num_key_value_heads=1)
     run_torchrun(SCRIPT, world, [str(tmp_path), ",".join(runs)], timeout=600)
     return [torch.load(tmp_path / f"result_{rank}.pt") for rank in range(world)]
 
@@ -32,6 +33,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
         "zero2",
         "zero3",
         "zero3_tiled",
+        "zero3_one_kv_head",
         "zero3_tiled_logits",
         "zero2_accumulate_tiled_logits",
         "zero3_tiled_logits_data_parallel",
@@ -58,6 +60,15 @@ def test_one_group_of_two_trains_like_one_process_on_whole_sequences(two_ranks: 
     want = long_context.reference(out / "pretrained", data_parallel=1, steps=2)
     for rank, result in enumerate(results):
         long_context.assert_close(result[run]["state"], want, f"{run} rank {rank}")
+
+
+def test_key_value_heads_fewer_than_the_group_are_shared_and_train_like_one_process(two_ranks: Any) -> None:
+    """4 attention heads sharing 1 key/value head (grouped-query attention) over 2 ranks: each rank gets two query
+    heads and a copy of the key/value head."""
+    out, results = two_ranks
+    want = long_context.reference(out / "one_kv_head", data_parallel=1, steps=2)
+    for rank, result in enumerate(results):
+        long_context.assert_close(result["zero3_one_kv_head"]["state"], want, f"rank {rank}")
 
 
 def test_gradients_are_clipped_by_the_norm_of_the_whole_gradient(two_ranks: Any) -> None:

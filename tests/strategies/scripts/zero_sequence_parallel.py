@@ -3,7 +3,8 @@
 usage: zero_sequence_parallel.py OUT RUNS   (OUT/pretrained: written by the test; RUNS: comma-separated names)
 
 Runs, one after another in this launch (each installs the attention again after the previous one removed it): ``zero2``
-/ ``zero3`` (2 steps), ``zero3_tiled`` (``tiled_mlp=True``), ``zero3_tiled_logits`` (``tiled_logits_loss=4``),
+/ ``zero3`` (2 steps), ``zero3_tiled`` (``tiled_mlp=True``), ``zero3_one_kv_head`` (OUT/one_kv_head: 4 attention heads
+sharing 1 key/value head, fewer than the group's ranks), ``zero3_tiled_logits`` (``tiled_logits_loss=4``),
 ``zero2_accumulate_tiled_logits`` (``tiled_logits_loss=True``, accumulation 2), ``zero3_tiled_logits_data_parallel``
 (``tiled_logits_loss=5`` without sequence parallelism), ``zero3_checkpointed`` (every decoder layer checkpointed,
 ``cpu_checkpointing=True``), ``zero3_clip`` (gradient_clip_val=0.05), ``zero2_accumulate`` (accumulate_grad_batches=2, 2
@@ -199,6 +200,8 @@ def main(out: Path, runs: list[str]) -> None:
             result[run] = fit(out, 2, 2, accumulate=2)
         elif run == "zero3_tiled":
             result[run] = fit(out, 3, 2, tiled_mlp=True)
+        elif run == "zero3_one_kv_head":
+            result[run] = fit(out, 3, 2, pretrained="one_kv_head")
         elif run == "zero3_tiled_logits":
             result[run] = fit(out, 3, 2, tiled_logits=4)
         elif run == "zero2_accumulate_tiled_logits":
