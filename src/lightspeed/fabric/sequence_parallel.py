@@ -24,7 +24,7 @@ class SequenceParallelLoader:
 
     def __init__(self, loader: Any, sequence_parallel: SequenceParallel) -> None:
         # the loader's own attributes (its sampler and dataset), as Fabric's loader wrapper copies them from this one
-        self.__dict__.update(vars(loader))
+        self.__dict__.update(getattr(loader, "__dict__", {}))
         self._loader = loader
         #: read by ``lightspeed.exact_metrics`` and ``track`` to count a group's rows once and put slices together
         self.lightspeed_sequence_parallel = sequence_parallel
