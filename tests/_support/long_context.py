@@ -39,10 +39,19 @@ def write_pretrained(path: Path, **overrides: Any) -> None:
     LlamaForCausalLM(llama_config(**overrides)).save_pretrained(path)
 
 
-def load(pretrained: Path, attn_implementation: str = "sdpa") -> Any:
+def load(pretrained: Path, attn_implementation: str = "sdpa", lora: bool = False) -> Any:
+    """The pretrained model (``lora``: with LoRA adapters on the attention's query and value projections, drawn from
+    one seed, every other weight frozen)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(pretrained, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(pretrained, attn_implementation=attn_implementation)
+    if not lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
+    return get_peft_model(model, config)
 
 
 class PaddedTokens(Dataset):
@@ -70,16 +79,21 @@ def collate(data: PaddedTokens, rows: list[int]) -> dict[str, torch.Tensor]:
 
 
 def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS)
 
 
 def reference(
-    pretrained: Path, data_parallel: int, steps: int, accumulate: int = 1, clip: float | None = None
+    pretrained: Path,
+    data_parallel: int,
+    steps: int,
+    accumulate: int = 1,
+    clip: float | None = None,
+    lora: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One plain process on whole sequences: each step's loss is the mean of the token-mean losses of the
     micro-batches every data-parallel rank trains on in the step's window (as data parallelism averages them); the
     gradient's norm clipped to ``clip`` when given."""
-    model = load(pretrained)
+    model = load(pretrained, lora=lora)
     opt = optimizer(model)
     data = PaddedTokens()
     micro_batches = rank_batches(SAMPLES, data_parallel, BATCH, epoch=0)

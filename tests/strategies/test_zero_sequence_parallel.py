@@ -34,6 +34,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
         "zero3",
         "zero3_tiled",
         "zero3_one_kv_head",
+        "zero3_lora",
         "zero3_tiled_logits",
         "zero2_accumulate_tiled_logits",
         "zero3_tiled_logits_data_parallel",
@@ -69,6 +70,15 @@ def test_key_value_heads_fewer_than_the_group_are_shared_and_train_like_one_proc
     want = long_context.reference(out / "one_kv_head", data_parallel=1, steps=2)
     for rank, result in enumerate(results):
         long_context.assert_close(result["zero3_one_kv_head"]["state"], want, f"rank {rank}")
+
+
+def test_a_lora_model_trains_like_one_process(two_ranks: Any) -> None:
+    """peft's LoRA on the attention's query and value projections (the rest frozen): the attention replaced inside
+    the PeftModel's causal LM, the adapters trained as one process trains them."""
+    out, results = two_ranks
+    want = long_context.reference(out / "pretrained", data_parallel=1, steps=2, lora=True)
+    for rank, result in enumerate(results):
+        long_context.assert_close(result["zero3_lora"]["state"], want, f"rank {rank}")
 
 
 def test_gradients_are_clipped_by_the_norm_of_the_whole_gradient(two_ranks: Any) -> None:

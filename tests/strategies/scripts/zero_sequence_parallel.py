@@ -3,20 +3,20 @@
 usage: zero_sequence_parallel.py OUT RUNS   (OUT/pretrained: written by the test; RUNS: comma-separated names)
 
 Runs, one after another in this launch (each installs the attention again after the previous one removed it): ``zero2``
-/ ``zero3`` (2 steps), ``zero3_tiled`` (``tiled_mlp=True``), ``zero3_one_kv_head`` (OUT/one_kv_head: 4 attention heads
-sharing 1 key/value head, fewer than the group's ranks), ``zero3_tiled_logits`` (``tiled_logits_loss=4``),
-``zero2_accumulate_tiled_logits`` (``tiled_logits_loss=True``, accumulation 2), ``zero3_tiled_logits_data_parallel``
-(``tiled_logits_loss=5`` without sequence parallelism), ``zero3_checkpointed`` (every decoder layer checkpointed,
-``cpu_checkpointing=True``), ``zero3_clip`` (gradient_clip_val=0.05), ``zero2_accumulate`` (accumulate_grad_batches=2, 2
-steps), ``zero3_resume`` (1 step saved to OUT/ck, a new Trainer resumes it to step 2 with ``ZeroExport(OUT/export)``,
-then ``validate`` logs ``val_loss``), ``gather_metrics`` (``validate`` with ``GatherForMetrics`` over per-token
-predictions of whole sequences); errors: ``generate`` (``generate()`` inside ``training_step``), ``rank_rows`` (an
-IterableDataset split by global rank), ``gather_per_sequence`` (``GatherForMetrics`` given one value per sequence
-computed from a slice), ``own_loss`` (a cross-entropy computed in the step from the slice's logits), ``rebuilt``
-(``validate`` after ``fit`` with a ``configure_model`` that builds the model again), ``bad_world``
-(sequence_parallel_size=4 on 2 ranks), ``one_head`` (OUT/one_head: a model with one attention head), ``eager`` (the
-model built with eager attention). Each rank writes OUT/result_<rank>.pt: the gathered weights after each run, its
-logged losses, the metrics and the errors.
+/ ``zero3`` (2 steps), ``zero3_tiled`` (``tiled_mlp=True``), ``zero3_lora`` (peft's LoRA on q_proj/v_proj),
+``zero3_one_kv_head`` (OUT/one_kv_head: 4 attention heads sharing 1 key/value head, fewer than the group's ranks),
+``zero3_tiled_logits`` (``tiled_logits_loss=4``), ``zero2_accumulate_tiled_logits`` (``tiled_logits_loss=True``,
+accumulation 2), ``zero3_tiled_logits_data_parallel`` (``tiled_logits_loss=5`` without sequence parallelism),
+``zero3_checkpointed`` (every decoder layer checkpointed, ``cpu_checkpointing=True``), ``zero3_clip``
+(gradient_clip_val=0.05), ``zero2_accumulate`` (accumulate_grad_batches=2, 2 steps), ``zero3_resume`` (1 step saved to
+OUT/ck, a new Trainer resumes it to step 2 with ``ZeroExport(OUT/export)``, then ``validate`` logs ``val_loss``),
+``gather_metrics`` (``validate`` with ``GatherForMetrics`` over per-token predictions of whole sequences); errors:
+``generate`` (``generate()`` inside ``training_step``), ``rank_rows`` (an IterableDataset split by global rank),
+``gather_per_sequence`` (``GatherForMetrics`` given one value per sequence computed from a slice), ``own_loss`` (a
+cross-entropy computed in the step from the slice's logits), ``rebuilt`` (``validate`` after ``fit`` with a
+``configure_model`` that builds the model again), ``bad_world`` (sequence_parallel_size=4 on 2 ranks), ``one_head``
+(OUT/one_head: a model with one attention head), ``eager`` (the model built with eager attention). Each rank writes
+OUT/result_<rank>.pt: the gathered weights after each run, its logged losses, the metrics and the errors.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ class CausalLM(L.LightningModule):
         generate: bool = False,
         rebuild: bool = False,
         own_loss: bool = False,
+        lora: bool = False,
     ) -> None:
         super().__init__()
-        self.own_loss = own_loss
+        self.own_loss, self.lora = own_loss, lora
         self.pretrained, self.attn_implementation, self.generate = pretrained, attn_implementation, generate
         self.rebuild = rebuild  # configure_model builds a new model in every stage (not idempotent)
         self.losses: list[float] = []
@@ -58,7 +59,7 @@ class CausalLM(L.LightningModule):
     def configure_model(self) -> None:
         if getattr(self, "model", None) is not None and not self.rebuild:
             return
-        self.model = long_context.load(self.pretrained, self.attn_implementation)
+        self.model = long_context.load(self.pretrained, self.attn_implementation, lora=self.lora)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.generate:
@@ -200,6 +201,8 @@ def main(out: Path, runs: list[str]) -> None:
             result[run] = fit(out, 2, 2, accumulate=2)
         elif run == "zero3_tiled":
             result[run] = fit(out, 3, 2, tiled_mlp=True)
+        elif run == "zero3_lora":
+            result[run] = fit(out, 3, 2, lora=True)
         elif run == "zero3_one_kv_head":
             result[run] = fit(out, 3, 2, pretrained="one_kv_head")
         elif run == "zero3_tiled_logits":
