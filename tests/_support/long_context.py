@@ -113,18 +113,8 @@ def token_metrics() -> dict[str, Any]:
     (torchmetrics) and the counts behind it (a plain callable, so a doubled or cut sequence shows)."""
     from torchmetrics.classification import MulticlassAccuracy
 
-    def counts(preds: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
-        real = target != -100
-        hits = (preds[real] == target[real]).sum()
-        return {
-            "hits": hits,
-            "tokens": real.sum(),
-            "positions": torch.tensor(preds.shape[1]),
-            "checksum": _checksum(preds.masked_fill(~real, -1)) + 1000 * _checksum(target),
-        }
-
     accuracy = MulticlassAccuracy(VOCAB, ignore_index=-100, average="micro", multidim_average="global")
-    return {"acc": accuracy, "n": counts}
+    return {"acc": accuracy, "n": _token_counts}
 
 
 def token_scores(model: torch.nn.Module, rows: int = SAMPLES) -> dict[str, float]:
@@ -135,11 +125,19 @@ def token_scores(model: torch.nn.Module, rows: int = SAMPLES) -> dict[str, float
     with torch.no_grad():
         preds = model(**batch).logits.argmax(-1)
     target = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    counts = {name: int(value) for name, value in _token_counts(preds, target).items()}
+    return {"acc": counts["hits"] / counts["tokens"], **{f"n/{name}": value for name, value in counts.items()}}
+
+
+def _token_counts(preds: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Hits, real targets, positions per row and an order-sensitive checksum of predictions and targets."""
     real = target != -100
-    hits, tokens = int((preds[real] == target[real]).sum()), int(real.sum())
-    checksum = int(_checksum(preds.masked_fill(~real, -1)) + 1000 * _checksum(target))
-    counts = {"hits": hits, "tokens": tokens, "positions": preds.shape[1], "checksum": checksum}
-    return {"acc": hits / tokens, **{f"n/{name}": value for name, value in counts.items()}}
+    return {
+        "hits": (preds[real] == target[real]).sum(),
+        "tokens": real.sum(),
+        "positions": torch.tensor(preds.shape[1]),
+        "checksum": _checksum(preds.masked_fill(~real, -1)) + 1000 * _checksum(target),
+    }
 
 
 def _checksum(values: torch.Tensor) -> torch.Tensor:
