@@ -170,9 +170,10 @@ class LoaderMetrics:
             whole, slice_problem = sequences.whole(named)
             outputs = None if whole is None else (whole[self.keys[0]], whole[self.keys[1]])
             problem = problem or (f"{self.owner}: {slice_problem}" if slice_problem else None)
-        if problem is not None or outputs is None:
-            self.add_problem(problem or f"{self.owner}: the step returned no outputs", device)
+        if problem is not None:
+            self.add_problem(problem, device)
         else:
+            assert outputs is not None  # whole() gives None only with a problem
             self.add(outputs[0], outputs[1], device)
 
     def add_problem(self, problem: str, device: torch.device) -> None:
