@@ -8,6 +8,8 @@ before Lightning Fabric's ``DDPStrategy`` or ``DeepSpeedStrategy``; the Trainer'
   forward, ``fabric.backward``, ``optimizer.step()``, ``fabric.save``/``load``, ``all_reduce``, ``barrier``,
   ``broadcast``, ``all_gather``) turns a collective timeout into a :class:`~lightspeed.errors.CollectiveTimeoutError`
   naming the ranks that stopped answering.
+* torchrun's SIGTERM, sent once another rank failed, waits until this rank has named the failure it is handling
+  (:mod:`lightspeed.core.reliability.termination`; the Trainer has Lightning's handler).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightspeed.core.reliability import process_group as _process_group
+from lightspeed.core.reliability import termination
 from lightspeed.fabric.mixin_bases import DDPStrategyBase
 
 __all__ = ["ProcessGroupMixin"]
@@ -48,6 +51,7 @@ class ProcessGroupMixin(DDPStrategyBase):
         ):
             yield
         _process_group.set_position(lambda: f"step {self._optimizer_steps}")  # published with the heartbeat
+        termination.name_failures_before_termination()  # Fabric has no SIGTERM handler of its own
 
     @override
     def _setup_distributed(self) -> None:

@@ -9,7 +9,8 @@ usage: fabric_loop.py MODE OUT ARGS...
   uninterrupted in the same processes; rank 0 writes both weights to OUT/weights.pt and appends where each attempt
   started to OUT/attempts.jsonl.
 * ``hang OUT STRATEGY TIMEOUT_S [HOW]``: rank 1 stops itself (SIGSTOP) before step 3, or with HOW ``exits`` fails
-  there (an exception ends its process); rank 0 writes its error to OUT/rank0_error.txt.
+  there (an exception ends its process) and rank 0 gets SIGTERM while it names the failure; rank 0 writes its error
+  to OUT/rank0_error.txt.
 * ``reshard OUT GLOBAL_BATCH ACTION...`` (``write:NAME``/``resume:NAME``, as reshard.py): ZeRO 1, 2, 3; 3 steps,
   ``fabric.save``, continued to step 7 (OUT/NAME/CONFIG/reference.pt), or a checkpoint written by another number of
   processes continued to step 7 (OUT/NAME/CONFIG/resumed_<WORLD_SIZE>.pt).
@@ -36,6 +37,7 @@ from torch import nn
 import lightspeed
 from _support.models import IN_FEATURES, OUT_FEATURES, full_state_dict, make_net, make_regression_data, rank_batches
 from _support.outcomes import error_text
+from lightspeed.core.reliability import process_group
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 SAVE_EVERY = 3
@@ -134,6 +136,8 @@ def hang(out: Path, name: str, timeout_s: float, how: str) -> None:
         strategy = lightspeed.fabric.ZeroFabricStrategy(stage=2, timeout=timeout)
     fabric = make_fabric(strategy)
     loop = Loop(fabric)
+    if how == "exits" and fabric.global_rank == 0:
+        sigterm_while_naming_the_failure()
     try:
         while loop.state["step"] < 8:
             if fabric.global_rank == 1 and loop.state["step"] == 3:
@@ -147,6 +151,18 @@ def hang(out: Path, name: str, timeout_s: float, how: str) -> None:
             (out / "rank0_error.txt").write_text(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
         raise
     (out / f"finished{fabric.global_rank}.txt").write_text("no error")
+
+
+def sigterm_while_naming_the_failure() -> None:
+    """torchrun's SIGTERM, sent once rank 1 ended, at the worst moment: after the collective failed, before lightspeed
+    names the failure."""
+    explain = process_group.explain_timeout
+
+    def explain_after_sigterm(error: BaseException) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return explain(error)
+
+    process_group.explain_timeout = explain_after_sigterm
 
 
 # ----------------------------------------------------------------------------------------------------------- reshard
