@@ -396,6 +396,13 @@ noise, real, step = torch.randn(4, 2), torch.randn(4, 2), 1
 """,
         "assert __import__('pathlib').Path('ckpt').is_dir()\n",
     ),
+    "ray": (
+        "import lightspeed\n" + _TINY_CLASSIFIER,
+        """
+import pathlib
+assert result.error is None and [p.name for p in pathlib.Path("exported").iterdir()] == ["model.safetensors"]
+""",
+    ),
     "ds_config": (
         "import json\nimport lightspeed\n"
         'json.dump({"zero_optimization": {"overlap_comm": False}}, open("ds_config.json", "w"))\n',

@@ -5,6 +5,7 @@
 * ``plugins/`` never imports strategies, callbacks or the CLI; ``strategies/`` (the Trainer's front end) and
   ``fabric/`` are siblings: neither imports the other, callbacks, the CLI or the registry, and each registers its
   names in its own ``registration`` module, which only ``lightspeed.registry`` and its own package import;
+* ``ray/`` (Ray Train glue over the front ends, an optional extra) is imported by no other part of the package;
 * the imports form no cycle, function-level and ``TYPE_CHECKING`` imports included;
 * no module outside ``tests/`` is named like a test file, and no two test files share a name (pytest imports them
   by their base name: the second one fails to collect, and with it the whole run).
@@ -111,6 +112,7 @@ def test_core_imports_neither_lightning_nor_the_lightning_layers(module: str) ->
         "lightspeed.registry",
         "lightspeed.export",
         "lightspeed.fabric",
+        "lightspeed.ray",
     )
     offending = [
         f"line {line}: {name}"
@@ -125,16 +127,32 @@ def test_core_imports_neither_lightning_nor_the_lightning_layers(module: str) ->
     [
         (
             "lightspeed.plugins",
-            ("lightspeed.strategies", "lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry"),
+            (
+                "lightspeed.strategies",
+                "lightspeed.callbacks",
+                "lightspeed.cli",
+                "lightspeed.registry",
+                "lightspeed.ray",
+            ),
         ),
         (
             "lightspeed.strategies",
-            ("lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry", "lightspeed.fabric"),
+            ("lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry", "lightspeed.fabric", "lightspeed.ray"),
         ),
         (
             "lightspeed.fabric",
-            ("lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry", "lightspeed.strategies"),
+            (
+                "lightspeed.callbacks",
+                "lightspeed.cli",
+                "lightspeed.registry",
+                "lightspeed.strategies",
+                "lightspeed.ray",
+            ),
         ),
+        # Ray glue over the front ends (an optional extra): nothing else imports it
+        ("lightspeed.ray", ("lightspeed.callbacks", "lightspeed.cli", "lightspeed.registry")),
+        ("lightspeed.callbacks", ("lightspeed.ray",)),
+        ("lightspeed.cli", ("lightspeed.ray",)),
     ],
 )
 def test_lower_layers_do_not_import_higher_ones(layer: str, forbidden: tuple[str, ...]) -> None:

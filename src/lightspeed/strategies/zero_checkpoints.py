@@ -52,16 +52,18 @@ class ZeroCheckpointsMixin(SeveralModelsMixin):
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         progress = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
         if self.several_models:
+            target, rank_local = self._session.save_target(str(filepath), self.broadcast, node_local=False)
             save_models_checkpoint(
                 self._session.saver,
                 self.trained_models,
                 self.model_configs,
-                self.broadcast(str(filepath)),
+                target,
                 client_state,
                 world_size=self.world_size,
                 frozen=self.frozen_models,
                 exclude_frozen_parameters=self.exclude_frozen_parameters,
                 manifest_extra=progress,
+                rank_local=rank_local,
             )
             return
         self._session.save(

@@ -40,6 +40,7 @@ __all__ = [
     "require_complete",
     "require_intact",
     "save_file_atomically",
+    "staged_files",
     "staged_output",
     "staging_path",
     "swap_into_place",
@@ -67,17 +68,27 @@ def prepare_staging(target: str | os.PathLike) -> Path:
     return staging
 
 
-def commit(target: str | os.PathLike, manifest: dict[str, Any] | None = None) -> Path:
-    """Mark the staging directory complete and move it onto ``target`` (one process, after all ranks finished)."""
+def commit(
+    target: str | os.PathLike, manifest: dict[str, Any] | None = None, files: dict[str, int] | None = None
+) -> Path:
+    """Mark the staging directory complete and move it onto ``target`` (one process, after all ranks finished). The
+    marker records ``files`` (relative name -> size; default: what the staging directory holds)."""
     target = Path(target)
     staging = staging_path(target)
-    files = {str(p.relative_to(staging)): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()}
+    if files is None:
+        files = staged_files(staging)
     record = {"complete": True, "time": time.time(), **(manifest or {}), "files": files}
     marker_tmp = staging / (COMPLETE_MARKER + ".tmp")
     marker_tmp.write_text(json.dumps(record, indent=2, default=str))
     os.replace(marker_tmp, staging / COMPLETE_MARKER)
     swap_into_place(staging, target)
     return target
+
+
+def staged_files(staging: str | os.PathLike) -> dict[str, int]:
+    """The files under ``staging``, by name relative to it, with their sizes."""
+    staging = Path(staging)
+    return {str(p.relative_to(staging)): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()}
 
 
 def swap_into_place(source: str | os.PathLike, target: str | os.PathLike) -> None:

@@ -184,11 +184,13 @@ def save_zero_checkpoint(
     exclude_frozen_parameters: bool | str = False,
     manifest_extra: dict[str, Any] | None = None,
     node: NodePosition | None = None,
+    rank_local: bool = False,
 ) -> Path:
     """Write ``engine``'s (sharded) state plus ``client_state`` into ``target`` through a staging directory that is
     committed (completion marker, resolved config beside it) only once every rank wrote its files. A collective:
     every rank calls it with the same ``target``. With ``node`` (node-local storage) every node commits its own
-    ``target`` (see :class:`StagedCheckpointSaver`)."""
+    ``target`` (see :class:`StagedCheckpointSaver`); with ``rank_local`` every rank its own ``target``, which merged
+    make one checkpoint."""
 
     exclude = resolve_frozen_exclusion(exclude_frozen_parameters, engine.module)
     client_state = _with_checkpoint_extras(client_state, engine, exclude)
@@ -201,7 +203,7 @@ def save_zero_checkpoint(
     extra_files = {RESOLVED_CONFIG_FILENAME: describe_config(config)}
     if node is not None:
         extra_files["latest"] = CHECKPOINT_TAG  # DeepSpeed writes it on rank 0's node only; every node resumes
-    return saver.save(target, write, manifest=manifest, extra_files=extra_files, node=node)
+    return saver.save(target, write, manifest=manifest, extra_files=extra_files, node=node, rank_local=rank_local)
 
 
 def save_models_checkpoint(
@@ -215,6 +217,7 @@ def save_models_checkpoint(
     frozen: Sequence[str] = (),
     exclude_frozen_parameters: bool | str = False,
     manifest_extra: dict[str, Any] | None = None,
+    rank_local: bool = False,
 ) -> Path:
     """Several trained models' engines into one committed checkpoint: each model's DeepSpeed save directory under
     ``target/<name>`` (the client state in the first one), the manifest listing them, so that resuming, exporting
@@ -234,7 +237,7 @@ def save_models_checkpoint(
     layout = {MODELS_MANIFEST_KEY: models, "frozen_models": list(frozen), FROZEN_EXCLUDED_KEY: exclude}
     manifest = _manifest(world_size, layout, manifest_extra)
     extra_files = {f"{name}/{RESOLVED_CONFIG_FILENAME}": describe_config(configs[name]) for name in names}
-    return saver.save(target, write, manifest=manifest, extra_files=extra_files)
+    return saver.save(target, write, manifest=manifest, extra_files=extra_files, rank_local=rank_local)
 
 
 def _with_checkpoint_extras(client_state: dict[str, Any], engine: Any, exclude: bool) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from lightspeed.core.common.logs import LOG_LEVEL_ENV, logger
 from lightspeed.core.common.process import ProcessPlace
 from lightspeed.core.reliability.launched_world import check_launched_world, external_launcher
 from lightspeed.core.reliability.node_local import describe_position, node_local_path
-from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
+from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver, each_rank_its_own_path
 from lightspeed.core.sequence_parallel import SequenceParallel
 from lightspeed.core.zero import third_party_warnings
 from lightspeed.core.zero.accumulation import clip_norm_at_step, scale_deepspeed_gradients_at_step
@@ -107,6 +107,7 @@ class ZeroSession:
         self.exclude_frozen_parameters = exclude_frozen_parameters
         self.front_end = front_end
         self.saver = StagedCheckpointSaver()
+        self.own_checkpoint_paths = False  # see save_target; the Ray front end sets it
         self._info = info
         self._config_logged = False
         self._step_restores: list[Callable[[], None]] = []  # per-step overrides, undone after the next step
@@ -277,6 +278,19 @@ class ZeroSession:
         return config
 
     # ------------------------------------------------------------------ checkpoints
+    def save_target(self, path: str, broadcast: Callable[[Any], Any], *, node_local: bool = True) -> tuple[str, bool]:
+        """Where this rank saves a checkpoint and whether every rank saves into a path of its own (a collective).
+
+        Normally rank 0's ``path`` (:meth:`checkpoint_path`; with ``node_local=False`` never a node's own). With
+        :attr:`own_checkpoint_paths` (Ray Train, whose workers each report a directory of their own that Ray merges):
+        a different path on every rank is kept, each rank writing its own files there; the same path on every rank
+        saves as usual; anything else is an error."""
+        if self.own_checkpoint_paths and each_rank_its_own_path(path):
+            return str(path), True
+        if not node_local:
+            return str(broadcast(str(path))), False
+        return self.checkpoint_path(path, broadcast), False
+
     def checkpoint_path(self, path: str, broadcast: Callable[[Any], Any]) -> str:
         """Rank 0's ``path`` (a collective, through the front end's ``broadcast``), as this node's own path under
         node-local storage."""
@@ -298,16 +312,18 @@ class ZeroSession:
         """Save ``engine`` and ``client_state`` through DeepSpeed into a staging directory, committed only when every
         rank finished (on node-local storage, this node's part, with its position)."""
         node = describe_position(process.node_rank, process.local_rank) if self.node_local_storage else None
+        target, rank_local = self.save_target(path, process.broadcast)
         save_zero_checkpoint(
             self.saver,
             engine,
-            self.checkpoint_path(path, process.broadcast),
+            target,
             client_state,
             world_size=process.world_size,
             config=self.config,
             exclude_frozen_parameters=self.exclude_frozen_parameters,
             manifest_extra=progress,
             node=node,
+            rank_local=rank_local,
         )
 
     # ------------------------------------------------------------------ a step the front end makes itself
