@@ -403,6 +403,16 @@ import pathlib
 assert result.error is None and [p.name for p in pathlib.Path("exported").iterdir()] == ["model.safetensors"]
 """,
     ),
+    "ray_fabric": (
+        _FABRIC_LOOP,
+        """
+import json, pathlib
+assert result.error is None
+assert json.loads((pathlib.Path(result.checkpoint.path) / "state.ckpt" / "lightspeed_complete.json").read_text())[
+    "world_size"
+] == 2
+""",
+    ),
     "ds_config": (
         "import json\nimport lightspeed\n"
         'json.dump({"zero_optimization": {"overlap_comm": False}}, open("ds_config.json", "w"))\n',

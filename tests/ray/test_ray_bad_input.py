@@ -1,5 +1,6 @@
-"""``RayZeroStrategy`` where it cannot work: outside a Ray Train training function, and with node-local storage
-(Ray's storage collects every worker's files itself); one clear error each, before anything starts."""
+"""``RayZeroStrategy`` and ``RayZeroFabricStrategy`` where they cannot work: outside a Ray Train training function,
+with node-local storage (Ray's storage collects every worker's files itself), and (Fabric) with what Ray sets; one
+clear error each, before anything starts."""
 
 from __future__ import annotations
 
@@ -7,24 +8,33 @@ import pytest
 
 pytest.importorskip("ray.train", reason="needs Ray Train: pip install 'lightspeed[ray]'")
 
-from lightspeed.ray import RayZeroStrategy  # noqa: E402
+from lightspeed.ray import RayZeroFabricStrategy, RayZeroStrategy  # noqa: E402
 
 
-def test_outside_a_ray_worker_the_error_says_where_to_build_it() -> None:
+@pytest.mark.parametrize("strategy", [RayZeroStrategy, RayZeroFabricStrategy])
+def test_outside_a_ray_worker_the_error_says_where_to_build_it(strategy: type) -> None:
     with pytest.raises(RuntimeError) as error:
-        RayZeroStrategy(stage=2)
+        strategy(stage=2)
     assert str(error.value) == (
-        "RayZeroStrategy runs inside a Ray Train training function: build the Trainer in the function you pass to "
-        "ray.train.torch.TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=N)) and call "
-        "trainer.fit() there. Outside Ray, use lightspeed.strategies.ZeroStrategy (or a strategy name such as "
-        "'zero2')."
+        f"{strategy.__name__} runs inside a Ray Train training function: build it in the function you pass to "
+        "ray.train.torch.TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=N)) and train there. "
+        "Outside Ray, use lightspeed's strategies themselves (ZeroStrategy, ZeroFabricStrategy, or a strategy name "
+        "such as 'zero2')."
     )
 
 
-def test_node_local_storage_is_refused_with_the_reason() -> None:
+@pytest.mark.parametrize("strategy", [RayZeroStrategy, RayZeroFabricStrategy])
+def test_node_local_storage_is_refused_with_the_reason(strategy: type) -> None:
     with pytest.raises(ValueError) as error:
-        RayZeroStrategy(stage=3, node_local_storage=True)
+        strategy(stage=3, node_local_storage=True)
     assert str(error.value) == (
-        "RayZeroStrategy(node_local_storage=True): not needed under Ray Train, whose storage collects the files every "
-        "worker reports (each worker saves its own shard). Leave node_local_storage out."
+        f"{strategy.__name__}(node_local_storage=True): not needed under Ray Train, whose storage collects the files "
+        "every worker reports (each worker saves its own shard). Leave node_local_storage out."
     )
+
+
+@pytest.mark.parametrize("taken", ["cluster_environment", "parallel_devices"])
+def test_what_ray_sets_is_refused_for_fabric(taken: str) -> None:
+    with pytest.raises(ValueError) as error:
+        RayZeroFabricStrategy(stage=2, **{taken: object()})
+    assert str(error.value) == f"RayZeroFabricStrategy({taken}=...): Ray Train sets it; leave it out."

@@ -112,12 +112,15 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
         return {key: value for key, value in state.items() if isinstance(value, DeepSpeedEngine)}
 
     def _several_models_target(self, path: Any) -> str:
+        self._refuse_node_local_storage()
+        return str(self.broadcast(str(path)))
+
+    def _refuse_node_local_storage(self) -> None:
         if self._session.node_local_storage:
             raise DeepSpeedConfigError(
                 "Checkpoints of several models do not support node_local_storage=True yet: save to a shared "
                 "filesystem, or each model to its own path."
             )
-        return str(self.broadcast(str(path)))
 
     def _trains(self, engine: Any) -> bool:
         """Whether ``engine`` was set up with an optimizer (a frozen model's ZeRO-3 engine has DeepSpeed's parameter
@@ -129,7 +132,9 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
         return self._engine_of_optimizer.get(id(optimizer), self._deepspeed_engine)
 
     # ------------------------------------------------------------------ checkpoints of several models
-    def _save_models(self, engines: Mapping[str, Any], target: str, state: Mapping[str, Any]) -> None:
+    def _save_models(self, engines: Mapping[str, Any], path: Any, state: Mapping[str, Any]) -> None:
+        self._refuse_node_local_storage()
+        target, rank_local = self._session.save_target(str(path), self.broadcast, node_local=False)
         trained = {key: engine for key, engine in engines.items() if self._trains(engine)}
         if not trained:
             raise ValueError("`fabric.save` got several models but none has an optimizer: nothing is trained.")
@@ -147,6 +152,7 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
             frozen=[key for key in engines if key not in trained],
             exclude_frozen_parameters=self.exclude_frozen_parameters,
             manifest_extra={"global_step": {key: int(engine.global_steps) for key, engine in trained.items()}},
+            rank_local=rank_local,
         )
 
     def _load_models(

@@ -62,7 +62,7 @@ class ZeroCheckpointsMixin(SeveralModelsMixin):
                 "`fabric.save(path, {'model': model, 'optimizer': optimizer})`."
             )
         if len(engines) > 1:
-            self._save_models(self._named_engines(state), self._several_models_target(path), state)
+            self._save_models(self._named_engines(state), path, state)
             return
         engine = engines[0]
         excluded = (engine, engine.optimizer) if engine.optimizer is not None else (engine,)

@@ -1,9 +1,10 @@
-"""Ray Train front end (``pip install lightspeed[ray]``): lightspeed's ZeRO strategy for a Lightning Trainer built
-inside a ``ray.train.torch.TorchTrainer`` training function, as Ray's Lightning guide writes it.
+"""Ray Train front end (``pip install lightspeed[ray]``): lightspeed's ZeRO strategies for a Lightning Trainer
+(:class:`RayZeroStrategy`, as Ray's Lightning guide writes it) and a Fabric loop (:class:`RayZeroFabricStrategy`)
+built inside a ``ray.train.torch.TorchTrainer`` training function.
 
 Ray Train is the scheduler (workers, placement, restarts after a failure, checkpoint storage); lightspeed trains in
-the workers. This package is Ray glue over the Trainer front end (:mod:`lightspeed.strategies`), which knows nothing
-of Ray; nothing else in lightspeed imports it.
+the workers. This package is Ray glue over the Trainer and Fabric front ends (:mod:`lightspeed.strategies`,
+:mod:`lightspeed.fabric`), which know nothing of Ray; nothing else in lightspeed imports it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ except ImportError as missing:  # pragma: no cover - depends on the installed ex
         "lightspeed.ray needs Ray Train: pip install 'lightspeed[ray]' (or pip install 'ray[train]')."
     ) from missing
 
+from lightspeed.ray.fabric import RayZeroFabricStrategy
 from lightspeed.ray.trainer import RayZeroStrategy
 
-__all__ = ["RayZeroStrategy"]
+__all__ = ["RayZeroFabricStrategy", "RayZeroStrategy"]

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray.train
 from ray.train.lightning import RayDeepSpeedStrategy
 
+from lightspeed.ray.worker import refuse_node_local_storage, require_ray_worker
 from lightspeed.strategies.zero import ZeroStrategy
 
 __all__ = ["RayZeroStrategy"]
@@ -32,24 +32,7 @@ class RayZeroStrategy(ZeroStrategy, RayDeepSpeedStrategy):  # type: ignore[misc]
     the Trainer through ``ray.train.lightning.prepare_trainer``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("node_local_storage"):
-            raise ValueError(
-                "RayZeroStrategy(node_local_storage=True): not needed under Ray Train, whose storage collects the "
-                "files every worker reports (each worker saves its own shard). Leave node_local_storage out."
-            )
-        _require_ray_worker()
+        refuse_node_local_storage(type(self).__name__, kwargs)
+        require_ray_worker(type(self).__name__)
         super().__init__(*args, **kwargs)
         self._session.own_checkpoint_paths = True
-
-
-def _require_ray_worker() -> None:
-    """Raise a ``RuntimeError`` saying what to do outside a Ray Train training function."""
-    try:
-        ray.train.get_context().get_world_size()
-    except RuntimeError as outside:
-        raise RuntimeError(
-            "RayZeroStrategy runs inside a Ray Train training function: build the Trainer in the function you pass to "
-            "ray.train.torch.TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=N)) and call "
-            "trainer.fit() there. Outside Ray, use lightspeed.strategies.ZeroStrategy (or a strategy name such as "
-            "'zero2')."
-        ) from outside
