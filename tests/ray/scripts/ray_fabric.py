@@ -16,28 +16,16 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
-
 import ray
+import torch
+from ray.train import Checkpoint
 
-STORAGE_NAME = "run"
+from _support.ray_train import run_torch_trainer, wait_for_registered_checkpoint
+
 SAVE_EVERY, N, GLOBAL_BATCH = 4, 64, 8
-
-
-def wait_for_registered_checkpoint(run_dir: Path) -> None:
-    """Ray registers a reported checkpoint asynchronously: leave only once it has one."""
-    snapshot = run_dir / "checkpoint_manager_snapshot.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if snapshot.is_file() and json.loads(snapshot.read_text()).get("latest_checkpoint_result"):
-            return
-        time.sleep(0.2)
 
 
 def train_func(config: dict[str, Any]) -> None:
@@ -64,7 +52,7 @@ def train_func(config: dict[str, Any]) -> None:
     while state["step"] < config["steps"]:
         step = state["step"]
         if config["fault"] == "kill" and checkpoint is None and rank == 1 and step == SAVE_EVERY + 2:
-            wait_for_registered_checkpoint(out / "storage" / STORAGE_NAME)
+            wait_for_registered_checkpoint(out)
             os._exit(1)
         epoch, index = divmod(step, N // GLOBAL_BATCH)
         indices = rank_batches(N, world, GLOBAL_BATCH // world, epoch)[index][rank]
@@ -90,23 +78,7 @@ def train_func(config: dict[str, Any]) -> None:
 def main() -> None:
     out, stage, steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     fault = sys.argv[4] if len(sys.argv) > 4 else "none"
-    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False, log_to_driver=True)
-    try:
-        result = TorchTrainer(
-            train_func,
-            train_loop_config={"out": str(out), "stage": stage, "steps": steps, "fault": fault},
-            scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-            run_config=RunConfig(
-                storage_path=str(out / "storage"),
-                name=STORAGE_NAME,
-                failure_config=FailureConfig(max_failures=1 if fault != "none" else 0),
-                checkpoint_config=CheckpointConfig(num_to_keep=None),
-            ),
-        ).fit()
-    finally:
-        ray.shutdown()
-    assert result.checkpoint is not None, "Ray kept no checkpoint"
-    (out / "ray_checkpoint.txt").write_text(result.checkpoint.path)
+    run_torch_trainer(train_func, {"stage": stage, "steps": steps, "fault": fault}, out)
 
 
 if __name__ == "__main__":

@@ -14,38 +14,27 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import ray
 import torch
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
 from torch.utils.data import DataLoader
 
-import ray
-
-STORAGE_NAME = "run"
+from _support.ray_train import run_torch_trainer, wait_for_registered_checkpoint
 
 
 class KillRankOne(L.Callback):
-    """Rank 1 leaves the job at the start of epoch 1, once Ray registered epoch 0's checkpoint (Ray registers a
-    reported checkpoint asynchronously: restarted before that, the workers would start from nothing)."""
+    """Rank 1 leaves the job at the start of epoch 1, once Ray registered epoch 0's checkpoint."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
+    def __init__(self, out: Path) -> None:
+        self.out = out
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.global_rank != 1 or trainer.current_epoch != 1:
-            return
-        snapshot = self.run_dir / "checkpoint_manager_snapshot.json"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if snapshot.is_file() and json.loads(snapshot.read_text()).get("latest_checkpoint_result"):
-                break
-            time.sleep(0.2)
-        os._exit(1)
+        if trainer.global_rank == 1 and trainer.current_epoch == 1:
+            wait_for_registered_checkpoint(self.out)
+            os._exit(1)
 
 
 def record_saves(trainer: L.Trainer, out: Path) -> None:
@@ -69,11 +58,11 @@ def train_func(config: dict[str, Any]) -> None:
     from _support.trainers import quiet_trainer
     from lightspeed.ray import RayZeroStrategy
 
-    out, run_dir = Path(config["out"]), Path(config["out"]) / "storage" / STORAGE_NAME
+    out = Path(config["out"])
     checkpoint = ray.train.get_checkpoint()
     callbacks: list[L.Callback] = [RayTrainReportCallback()]
     if config["fault"] == "kill" and checkpoint is None:
-        callbacks.append(KillRankOne(run_dir))
+        callbacks.append(KillRankOne(out))
     L.seed_everything(0, verbose=False)
     trainer = quiet_trainer(
         strategy=RayZeroStrategy(stage=config["stage"]),
@@ -110,23 +99,7 @@ def train_func(config: dict[str, Any]) -> None:
 def main() -> None:
     out, stage, epochs = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     fault = sys.argv[4] if len(sys.argv) > 4 else "none"
-    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False, log_to_driver=True)
-    try:
-        result = TorchTrainer(
-            train_func,
-            train_loop_config={"out": str(out), "stage": stage, "epochs": epochs, "fault": fault},
-            scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-            run_config=RunConfig(
-                storage_path=str(out / "storage"),
-                name=STORAGE_NAME,
-                failure_config=FailureConfig(max_failures=1 if fault != "none" else 0),
-                checkpoint_config=CheckpointConfig(num_to_keep=None),
-            ),
-        ).fit()
-    finally:
-        ray.shutdown()
-    assert result.checkpoint is not None, "Ray kept no checkpoint"
-    (out / "ray_checkpoint.txt").write_text(result.checkpoint.path)
+    run_torch_trainer(train_func, {"stage": stage, "epochs": epochs, "fault": fault}, out)
 
 
 if __name__ == "__main__":

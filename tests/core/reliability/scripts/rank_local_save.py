@@ -16,19 +16,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from _support.outcomes import error_text
 from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver, each_rank_its_own_path
 
 
 def files_under(directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
-
-
-def error_of(call) -> str | None:
-    try:
-        call()
-    except Exception as err:  # noqa: BLE001 - the test reads the message
-        return f"{type(err).__name__}: {err}"
-    return None
 
 
 def main() -> None:
@@ -46,11 +39,11 @@ def main() -> None:
     )
     facts = {"own": files_under(target)}
     clash = out / f"rank{rank}" / "clash"
-    facts["clash"] = error_of(
+    facts["clash"] = error_text(
         lambda: saver.save(clash, lambda staging: (staging / "same.bin").write_text("x"), manifest={}, rank_local=True)
     )
     facts["shared"] = each_rank_its_own_path(out / "one")
-    facts["mixed"] = error_of(lambda: each_rank_its_own_path(out / ("ab" if rank < 2 else "c")))
+    facts["mixed"] = error_text(lambda: each_rank_its_own_path(out / ("ab" if rank < 2 else "c")))
     (out / f"facts_rank{rank}.json").write_text(json.dumps(facts))
     dist.destroy_process_group()
 
