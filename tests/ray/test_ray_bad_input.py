@@ -38,3 +38,16 @@ def test_what_ray_sets_is_refused_for_fabric(taken: str) -> None:
     with pytest.raises(ValueError) as error:
         RayZeroFabricStrategy(stage=2, **{taken: object()})
     assert str(error.value) == f"RayZeroFabricStrategy({taken}=...): Ray Train sets it; leave it out."
+
+
+def test_a_fabric_node_count_other_than_rays_is_refused() -> None:
+    strategy = RayZeroFabricStrategy.__new__(RayZeroFabricStrategy)  # as built in a worker of a 1-node Ray job
+    strategy._ray_nodes, strategy.num_nodes = 1, 1
+    assert strategy.num_nodes == 1
+    strategy.num_nodes = 2  # what Fabric(num_nodes=2) sets
+    with pytest.raises(ValueError) as error:
+        strategy.num_nodes  # noqa: B018 - the property checks
+    assert str(error.value) == (
+        "Fabric(num_nodes=2), but Ray Train runs this job on 1 node(s): leave num_nodes out, RayZeroFabricStrategy "
+        "takes it from Ray."
+    )

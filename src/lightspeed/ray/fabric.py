@@ -45,9 +45,14 @@ class RayZeroFabricStrategy(ZeroFabricStrategy):
     @property
     @override
     def num_nodes(self) -> int:
-        """Ray's number of nodes (``Fabric(num_nodes=...)`` is not needed)."""
+        """Ray's number of nodes (``Fabric(num_nodes=...)`` is not needed; another count than Ray's is an error)."""
+        if self._num_nodes not in (1, self._ray_nodes):
+            raise ValueError(
+                f"Fabric(num_nodes={self._num_nodes}), but Ray Train runs this job on {self._ray_nodes} node(s): leave "
+                "num_nodes out, RayZeroFabricStrategy takes it from Ray."
+            )
         return self._ray_nodes
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
-        """Fabric sets ``Fabric(num_nodes=...)`` here; Ray's count stands."""
+        self._num_nodes = num_nodes

@@ -56,7 +56,9 @@ class StagedCheckpointSaver:
 
         def prepare_phase() -> None:
             if is_writer:
-                if not self._swept_staging:  # leftovers of saves that crashed in an earlier run
+                # leftovers of saves that crashed in an earlier run; not beside a rank-local target, whose siblings
+                # may be the staging directories of other ranks at work (prepare_staging clears this one's own)
+                if not self._swept_staging and not rank_local:
                     atomic_dir.remove_stale_staging(staging.parent)
                     self._swept_staging = True
                 atomic_dir.prepare_staging(target)
