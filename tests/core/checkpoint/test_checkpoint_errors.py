@@ -58,6 +58,22 @@ def test_not_a_checkpoint(tmp_path):
     assert_untouched(tmp_path / "out", None)
 
 
+def test_a_folder_holding_a_checkpoint_names_it(root, tmp_path):
+    """A Ray Train checkpoint keeps the strategy's checkpoint in a folder of its own (``checkpoint.ckpt``)."""
+    ckpt, _ = copy_of(root, "s2_cpu_fp32", tmp_path)
+    ray_checkpoint = tmp_path / "checkpoint_000001"
+    ray_checkpoint.mkdir()
+    ckpt.rename(ray_checkpoint / "checkpoint.ckpt")
+    with pytest.raises(CheckpointError) as error:
+        export_checkpoint(ray_checkpoint, tmp_path / "out")
+    assert str(error.value) == (
+        f"{ray_checkpoint} is not a DeepSpeed checkpoint: it has neither a 'latest' file nor a tag directory holding "
+        "'*_model_states.pt' files; it holds the checkpoint(s) 'checkpoint.ckpt' (a Ray Train checkpoint keeps the "
+        f"strategy's checkpoint in such a folder): pass '{ray_checkpoint / 'checkpoint.ckpt'}'"
+    )
+    assert_untouched(tmp_path / "out", None)
+
+
 def test_missing_rank_file(root, tmp_path):
     ckpt, tag = copy_of(root, "s2_cpu_fp32", tmp_path)
     (ckpt / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()

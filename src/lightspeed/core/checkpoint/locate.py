@@ -87,9 +87,23 @@ def find_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> tuple
             f"{path} has no 'latest' file and several tags ({', '.join(tags)}); pass one with tag=... (--tag on the "
             "command line)"
         )
+    inside = _checkpoints_inside(path)
     raise CheckpointError(
         f"{path} is not a DeepSpeed checkpoint: it has neither a 'latest' file nor a tag directory holding "
         "'*_model_states.pt' files"
+        + (
+            f"; it holds the checkpoint(s) {', '.join(repr(name) for name in inside)} (a Ray Train checkpoint keeps "
+            f"the strategy's checkpoint in such a folder): pass {str(path / inside[0])!r}"
+            if inside
+            else ""
+        )
+    )
+
+
+def _checkpoints_inside(path: Path) -> list[str]:
+    """The folders directly in ``path`` that are DeepSpeed checkpoints (a ``latest`` file, or a tag directory)."""
+    return sorted(
+        child.name for child in path.iterdir() if child.is_dir() and ((child / "latest").is_file() or _tags_in(child))
     )
 
 
