@@ -71,11 +71,12 @@ class SimulatedHosts:
 
     def popen(self, host: Host, argv: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
         """Start ``argv`` on ``host`` in its own process group, its output (both streams) into ``log``; gloo binds
-        the host's ``eth0``."""
+        the host's ``eth0`` (unless ``env`` sets ``GLOO_SOCKET_IFNAME`` to ``""``: then it is not set at all)."""
+        full = {"GLOO_SOCKET_IFNAME": INTERFACE, **env}
         with log.open("wb") as out:
             return subprocess.Popen(
                 self.command(host, argv),
-                env={**env, "GLOO_SOCKET_IFNAME": INTERFACE},
+                env={key: value for key, value in full.items() if key != "GLOO_SOCKET_IFNAME" or value},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -85,6 +86,10 @@ class SimulatedHosts:
         """Cut ``host`` off the link: its ``eth0`` down (packets to it and from it are lost; no reset reaches either
         end, as when a cable is pulled or a switch port dies)."""
         _ip("-n", host.namespace, "link", "set", INTERFACE, "down")
+
+    def reconnect(self, host: Host) -> None:
+        """Put ``host`` back on the link (its ``eth0`` up again, addresses and routes as before the cut)."""
+        _ip("-n", host.namespace, "link", "set", INTERFACE, "up")
 
     def pids(self, host: Host) -> list[int]:
         """The processes running in ``host``'s network namespace."""
@@ -174,10 +179,12 @@ def require_namespaces() -> None:
 
 
 @contextmanager
-def simulated_hosts(root: Path, link: str | None = None) -> Iterator[SimulatedHosts]:
+def simulated_hosts(
+    root: Path, link: str | None = None, loopback_names: Sequence[str] = ()
+) -> Iterator[SimulatedHosts]:
     """Hosts ``host-a`` (198.18.0.1) and ``host-b`` (198.18.0.2) joined by a veth pair (``link``: see the module),
-    their disks under ``root``; removed again when the block ends, also when it fails. Skips the test where they
-    cannot be made."""
+    their disks under ``root``; removed again when the block ends, also when it fails. A host in ``loopback_names``
+    resolves its own name to 127.0.1.1 (as Debian's /etc/hosts does). Skips the test where they cannot be made."""
     require_namespaces()
     tag = f"lightspeed-{os.getpid()}-{os.urandom(3).hex()}"  # unique: tests may run side by side
     hosts = [Host(f"host-{c}", f"{tag}-{c}", f"{PREFIX}.{i + 1}", root / f"disk-host-{c}") for i, c in enumerate("ab")]
@@ -196,8 +203,12 @@ def simulated_hosts(root: Path, link: str | None = None) -> Iterator[SimulatedHo
                 "link", "add", INTERFACE, "netns", a.namespace, "type", "veth",
                 "peer", "name", INTERFACE, "netns", b.namespace,
             )  # fmt: skip
-            names = "".join(f"{h.address} {h.name}.lightspeed.test {h.name}\n" for h in hosts)
             for host, folder in zip(hosts, etc, strict=True):
+                names = "".join(
+                    f"{'127.0.1.1' if h is host and h.name in loopback_names else h.address} "
+                    f"{h.name}.lightspeed.test {h.name}\n"
+                    for h in hosts
+                )
                 host.disk.mkdir(parents=True, exist_ok=True)
                 _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", INTERFACE)
                 _ip("-n", host.namespace, "link", "set", "lo", "up")

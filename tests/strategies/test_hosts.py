@@ -3,8 +3,9 @@ address in 198.18.0.0/15, /etc/hosts and node-local disk), one torchrun per host
 first host by name: they end with the weights of one host with 4 processes (zero3, zero2_offload), also over a link
 that loses 0.5 % of its packets; each rank runs under its own host's name; node-local checkpoints stay on each host's
 own disk. A host cut off the link mid-run (its eth0 down) ends the job on both hosts within a bounded time, each
-rank with a CollectiveTimeoutError naming the other host's ranks. Skipped where the namespaces cannot be made (not
-root)."""
+rank with a CollectiveTimeoutError naming the other host's ranks, and relaunched once the link is back it resumes
+exactly; a link down for 2 s within the timeout leaves the run untouched. Skipped where the namespaces cannot be made
+(not root)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 
 from _support.hosts import INTERFACE, Host, SimulatedHosts, require_namespaces, simulated_hosts
 from _support.launch import NATIVE_ABORT, REPO_ROOT, child_env, free_port, run_torchrun
+from _support.models import reference_training
 from lightspeed.core.reliability.node_local import check_parts, require_part
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "multinode.py"
@@ -43,25 +45,27 @@ class HostsRun:
         return [json.loads((self.shared / f"{tag}_rank{rank}.json").read_text()) for rank in range(4)]
 
 
-def start_on_hosts(sim: SimulatedHosts, args: list[str], port: int, log: str) -> list[subprocess.Popen[bytes]]:
+def start_on_hosts(
+    sim: SimulatedHosts, args: list[str], port: int, log: str, env: dict[str, str] | None = None
+) -> list[subprocess.Popen[bytes]]:
     """`torchrun --nnodes 2 --node-rank N --nproc-per-node 2 --master-addr host-a ... multinode.py ARGS` on each host,
-    its output in ``<log>_<host>.log`` beside the shared directory."""
+    its output in ``<log>_<host>.log`` beside the shared directory (``env``: added to the ranks' environment)."""
     procs = []
     for node, host in enumerate(sim.hosts):
         argv = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
             "--nproc-per-node", "2", "--master-addr", sim.hosts[0].name, "--master-port", str(port), str(SCRIPT), *args,
         ]  # fmt: skip
-        procs.append(sim.popen(host, argv, child_env(), sim.local.parent / f"{log}_{host.name}.log"))
+        procs.append(sim.popen(host, argv, child_env(env), sim.local.parent / f"{log}_{host.name}.log"))
     return procs
 
 
-def launch_on_hosts(sim: SimulatedHosts, shared: Path, runs: str, tag: str) -> None:
-    """:func:`start_on_hosts` with ``hosts SHARED 2 RUNS TAG`` and wait for both (a second time after a rank aborted
-    in native code, as run_launch does)."""
+def launch_on_hosts(sim: SimulatedHosts, args: list[str], tag: str) -> None:
+    """:func:`start_on_hosts` with ``args`` and wait for both (a second time after a rank aborted in native code, as
+    run_launch does)."""
     for attempt in range(2):
         port = free_port()  # any port: nothing else listens in a fresh namespace
-        procs = start_on_hosts(sim, ["hosts", str(shared), "2", runs, tag], port, f"{tag}_{attempt}")
+        procs = start_on_hosts(sim, args, port, f"{tag}_{attempt}")
         try:
             for proc in procs:
                 proc.wait(timeout=300)
@@ -81,7 +85,7 @@ def launch_on_hosts(sim: SimulatedHosts, shared: Path, runs: str, tag: str) -> N
 
 def run_on_hosts(root: Path, runs: str, tag: str, link: str | None = None) -> HostsRun:
     with simulated_hosts(root, link=link) as sim:
-        launch_on_hosts(sim, root / "shared", runs, tag)
+        launch_on_hosts(sim, ["hosts", str(root / "shared"), "2", runs, tag], tag)
         stats = sim.link_stats()
         disks = {host.name: host.disk for host in sim.hosts}
         return HostsRun(root / "shared", disks, sim.local, stats)
@@ -111,7 +115,7 @@ def assert_same_weights(two: dict[str, torch.Tensor], one: dict[str, torch.Tenso
     assert two.keys() == one.keys()
     for key, expected in one.items():
         diff = (two[key] - expected).abs().max().item()
-        assert diff <= 1e-6, f"{what} {key}: 2 hosts x 2 differ from 1 host x 4 by {diff:.3e}"
+        assert diff <= 1e-6, f"{what} {key}: 2 hosts x 2 differ from the reference by {diff:.3e}"
 
 
 @pytest.mark.parametrize(("run", "reference"), [("zero3_node_local", "zero3"), ("zero2_offload", "zero2_offload")])
@@ -177,6 +181,8 @@ def test_zero3_over_a_lossy_link_ends_with_the_weights_of_one_host(
 #: the cut test: zero2 with `timeout=` CUT_TIMEOUT seconds (heartbeat every CUT_TIMEOUT / 10 s); after step CUT_STEP
 #: every rank sleeps CUT_SLEEP seconds, during which the test takes host-b's eth0 down
 CUT_TIMEOUT, CUT_STEP, CUT_SLEEP = 10, 5, 4
+#: as tests/strategies/scripts/multinode.py trains them
+CUT_STEPS, CUT_SAMPLES = 60, 2048
 #: seconds from the cut until both torchruns must have ended: the sleep, then the next step's collective fails after
 #: 2 x timeout (measured: zero2's first error comes two timeouts after the ranks wake), the hang report reads the
 #: heartbeats 2 intervals apart (host-a) or gives up on the store after its deadline, min(timeout, 20 s) (host-b,
@@ -205,11 +211,13 @@ def test_a_host_cut_off_the_link_ends_the_job_on_both_hosts_naming_the_other_hos
     """zero2 on 2 hosts x 2 processes; host-b's eth0 goes down between two steps (no reset reaches either side).
     Both torchruns end, non-zero, within CUT_BOUND: host-a's ranks raise CollectiveTimeoutError naming ranks 2, 3
     (their heartbeats stopped); host-b's ranks, whose reads of the job's store on host-a would block until TCP gives
-    up (many minutes), name ranks 0, 1 and the store that did not answer. No process is left on either host."""
+    up (many minutes), name ranks 0, 1 and the store that did not answer. No process is left on either host. The link
+    back, both hosts relaunched with ``fit(ckpt_path="last")``: the run resumes from the last checkpoint committed
+    before the cut and ends equal to one plain process."""
     shared = tmp_path / "shared"
     shared.mkdir()
     port = free_port()
-    args = ["cut", str(shared), "2", str(CUT_STEP), str(CUT_TIMEOUT), str(CUT_SLEEP)]
+    args = ["cut", str(shared), "2", str(CUT_STEP), str(CUT_TIMEOUT), str(CUT_SLEEP), "cut"]
     with simulated_hosts(tmp_path) as sim:
         host_b = sim.hosts[1]
         procs = dict(zip(sim.hosts, start_on_hosts(sim, args, port, "cut"), strict=True))
@@ -241,6 +249,9 @@ def test_a_host_cut_off_the_link_ends_the_job_on_both_hosts_naming_the_other_hos
         finally:
             for proc in procs.values():
                 proc.kill()  # only after a failure: a torchrun still running (its ranks end with the namespaces)
+        if not left["host-a"] and not left["host-b"]:  # the link back, both hosts relaunched from the last checkpoint
+            sim.reconnect(host_b)
+            launch_on_hosts(sim, [*args[:-1], "resume"], "resume")
     outputs = {host.name: log.read_text()[-6000:] for host, log in logs.items()}
     assert left == {"host-a": [], "host-b": []}, f"processes left after both torchruns ended: {left}"
     for host, proc in procs.items():
@@ -258,3 +269,71 @@ def test_a_host_cut_off_the_link_ends_the_job_on_both_hosts_naming_the_other_hos
         said = store in error["message"] and "did not answer" in error["message"]
         assert said == on_b, f"rank {rank} {'does not say' if on_b else 'says'} its {store} did not answer: {error}"
     assert max(ended.values()) <= CUT_BOUND, ended
+    resumed = torch.load(shared / "weights_resume.pt")
+    assert resumed["steps"] == CUT_STEPS  # from the step-4 checkpoint, the last one committed before the cut
+    assert_same_weights(resumed["weights"], cut_reference(), "relaunched after the cut")
+
+
+def cut_reference() -> dict[str, torch.Tensor]:
+    """The cut runs' training in one plain process: the same global batches, uninterrupted."""
+    return reference_training(steps=CUT_STEPS, world_size=4, batch=4, n=CUT_SAMPLES)
+
+
+def test_a_link_down_for_two_seconds_within_the_timeout_leaves_the_run_untouched(tmp_path: Path) -> None:
+    """zero2 on 2 hosts x 2 processes (timeout 10 s); host-b's eth0 down for 2 s between two steps, then up: TCP
+    carries on, no error, and the run ends equal to one plain process."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    args = ["cut", str(shared), "2", str(CUT_STEP), str(CUT_TIMEOUT), str(CUT_SLEEP), "blip"]
+    with simulated_hosts(tmp_path) as sim:
+        procs = start_on_hosts(sim, args, free_port(), "blip")
+        try:
+            start = time.monotonic()
+            while not (shared / "cut_now").exists() and time.monotonic() - start < 180:
+                time.sleep(0.1)
+            sim.cut(sim.hosts[1])
+            time.sleep(2)
+            sim.reconnect(sim.hosts[1])
+            for proc in procs:
+                proc.wait(timeout=300)
+        finally:
+            for proc in procs:
+                proc.kill()  # only after a timeout
+        outputs = {host.name: (tmp_path / f"blip_{host.name}.log").read_text()[-6000:] for host in sim.hosts}
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    finished = torch.load(shared / "weights_blip.pt")
+    assert finished["steps"] == CUT_STEPS and not list(shared.glob("blip_rank*.json"))
+    assert_same_weights(finished["weights"], cut_reference(), "a 2 s link drop")
+
+
+def test_a_host_whose_name_resolves_to_loopback_is_named_on_every_rank_at_start(tmp_path: Path) -> None:
+    """host-b's /etc/hosts maps its own name to 127.0.1.1 (Debian's default) and GLOO_SOCKET_IFNAME is not set: gloo
+    would give the other host that address, and the group could never connect (without the check the job hangs).
+    Every rank raises HostAddressError naming host-b, its ranks and the address, at start-up, well before the process
+    group's timeout; both hosts' logs show it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with simulated_hosts(tmp_path, loopback_names=["host-b"]) as sim:
+        started = time.monotonic()
+        args = ["hosts", str(shared), "2", "zero2", "loopback"]
+        procs = start_on_hosts(sim, args, free_port(), "loopback", env={"GLOO_SOCKET_IFNAME": ""})  # gloo's default
+        try:
+            for proc in procs:
+                proc.wait(timeout=300)
+        finally:
+            for proc in procs:
+                proc.kill()  # only after a timeout
+        seconds = time.monotonic() - started
+        outputs = {host.name: (tmp_path / f"loopback_{host.name}.log").read_text() for host in sim.hosts}
+    expected = (
+        "HostAddressError: Host 'host-b' (rank(s) 2, 3) would be reached at 127.0.1.1, the address its hostname "
+        "'host-b' resolves to there: a loopback address, which the other hosts cannot reach, so the process group "
+        "could never connect. Make the name resolve to the address the other hosts reach it at (its line in "
+        "/etc/hosts), or set GLOO_SOCKET_IFNAME to the interface that faces them (e.g. GLOO_SOCKET_IFNAME=eth0) on "
+        "every host."
+    )
+    for host, output in outputs.items():
+        # every host's log names it (its second rank may be stopped by torchrun once the first one failed)
+        assert expected in output, f"{host}:\n{output[-6000:]}"
+    assert all(proc.returncode != 0 for proc in procs)
+    assert seconds < 120, seconds  # the strategy's timeout is Lightning's 30 minutes

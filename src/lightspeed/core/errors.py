@@ -23,6 +23,7 @@ __all__ = [
     "DeepSpeedConfigError",
     "ExportError",
     "GatherError",
+    "HostAddressError",
     "IncompleteCheckpointError",
     "LightspeedError",
     "MemoryPlanError",
@@ -63,6 +64,11 @@ class CudaInitializedError(LightspeedError, RuntimeError):
 
 class WorldSizeMismatchError(LightspeedError, ValueError):
     """``num_nodes``/``devices`` disagree with the processes an external launcher started."""
+
+
+class HostAddressError(LightspeedError, RuntimeError):
+    """A host of a job over several hosts would be reached at an address the others cannot reach (its hostname
+    resolves to a loopback address); raised on every rank before the process group connects."""
 
 
 class CollectiveTimeoutError(LightspeedError, RuntimeError):

@@ -1,7 +1,7 @@
 """Worker for the multi-node, SLURM and node-local checkpoint tests; started by torchrun (one torchrun per simulated
 node, each in its own working directory) or as plain processes with the environment ``srun`` gives its tasks.
 
-usage: multinode.py MODE SHARED NUM_NODES [RUNS TAG]
+usage: multinode.py MODE SHARED NUM_NODES [RUNS TAG | STEP TIMEOUT SLEEP PHASE]
   train    - zero2_offload: 1 epoch with a checkpoint in SHARED, resume to 2 epochs; zero3 with node_local_storage:
              1 epoch with checkpoints in ./ckpt (relative: each node its own), resume to 2 epochs. Rank 0 writes the
              final weights to SHARED/weights_<nodes>x<devices>.pt.
@@ -14,10 +14,12 @@ usage: multinode.py MODE SHARED NUM_NODES [RUNS TAG]
              or ``zero3_node_local``: 1 epoch with node-local checkpoints in ./ckpt, resumed to 2 epochs. Rank 0
              writes SHARED/weights_<TAG>.pt, every rank SHARED/<TAG>_rank<R>.json (its hostname, its host's address,
              the rendezvous address, its place).
-  cut      - one torchrun per simulated host: zero2 with ``timeout=TIMEOUT`` seconds (default 10) for up to 60 steps;
-             after step STEP (default 5) rank 0 writes SHARED/cut_now and every rank sleeps SLEEP seconds (default 4),
-             so that the test cuts the link between two steps, not inside a collective. A rank whose fit raises writes
-             SHARED/cut_rank<R>.json (the exception's type and message) before raising it again.
+  cut      - one torchrun per simulated host: zero2 with ``timeout=TIMEOUT`` seconds (default 10) for 60 steps, a
+             checkpoint in SHARED/cut_ckpt every 4 steps; after step STEP (default 5) rank 0 writes SHARED/cut_now and
+             every rank sleeps SLEEP seconds (default 4), so that the test cuts the link between two steps, not inside
+             a collective. A rank whose fit raises writes SHARED/<PHASE>_rank<R>.json (the exception's type and
+             message) before raising it again; a run that ends, rank 0 SHARED/weights_<PHASE>.pt. PHASE (default
+             ``cut``): ``resume`` continues from SHARED/cut_ckpt/last.ckpt without the pause.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ from _support.trainers import quiet_trainer
 from lightspeed.strategies.zero import ZeroStrategy
 
 DEVICES = 2
+#: the cut mode: steps, samples, a checkpoint every CUT_SAVE_EVERY steps (the last complete one before a cut after
+#: step 5 is step 4's)
+CUT_STEPS, CUT_SAMPLES, CUT_SAVE_EVERY = 60, 2048, 4
 
 
 def loader() -> DataLoader:
@@ -183,18 +188,26 @@ class _CutPause(L.Callback):
             time.sleep(self.sleep)
 
 
-def cut(shared: Path, num_nodes: int, step: str = "5", timeout: str = "10", sleep: str = "4") -> None:
+def cut(
+    shared: Path, num_nodes: int, step: str = "5", timeout: str = "10", sleep: str = "4", phase: str = "cut"
+) -> None:
     strategy = ZeroStrategy(stage=2, timeout=timedelta(seconds=float(timeout)))
     L.seed_everything(0, verbose=False)
-    run = trainer(strategy, num_nodes, DEVICES, 100, enable_checkpointing=False, max_steps=60)
-    run.callbacks.append(_CutPause(shared, int(step), float(sleep)))
+    checkpoints = ModelCheckpoint(shared / "cut_ckpt", every_n_train_steps=CUT_SAVE_EVERY, save_last=True, save_top_k=0)
+    run = trainer(strategy, num_nodes, DEVICES, 100, callbacks=[checkpoints], max_steps=CUT_STEPS)
+    if phase != "resume":
+        run.callbacks.append(_CutPause(shared, int(step), float(sleep)))
     try:
-        run.fit(RegressionModule(), DataLoader(make_regression_data(n=2048), batch_size=4))
+        data = DataLoader(make_regression_data(n=CUT_SAMPLES), batch_size=4)
+        run.fit(RegressionModule(), data, ckpt_path="last" if phase == "resume" else None)
     except BaseException as err:
         rank = os.environ.get("RANK", "?")
         outcome = {"type": type(err).__name__, "message": str(err), "time": time.time()}
-        (shared / f"cut_rank{rank}.json").write_text(json.dumps(outcome))
+        (shared / f"{phase}_rank{rank}.json").write_text(json.dumps(outcome))
         raise
+    weights = full_state_dict(run.strategy.deepspeed_engine.module)
+    if run.global_rank == 0:
+        torch.save({"weights": weights, "steps": run.global_step}, shared / f"weights_{phase}.pt")
 
 
 if __name__ == "__main__":

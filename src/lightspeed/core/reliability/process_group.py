@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from lightspeed.core.errors import CollectiveTimeoutError, RankLostError
 from lightspeed.core.reliability import hang_report
+from lightspeed.core.reliability.host_address import check_host_addresses
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -171,6 +172,8 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: timede
     timeout = timeout or DEFAULT_TIMEOUT
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     prefix = restart_prefix()
+    if backend == "gloo" and world_size > 1:
+        check_host_addresses(dist.PrefixStore(prefix, store), rank, world_size, timeout)
     dist.init_process_group(
         backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size, timeout=timeout
     )
