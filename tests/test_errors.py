@@ -23,6 +23,7 @@ BUILT_IN = {
     "UnsupportedOffloadOptimizerError": TypeError,
     "IncompleteCheckpointError": RuntimeError,  # and ValueError, as a CheckpointError
     "CollectiveTimeoutError": RuntimeError,
+    "HostAddressError": RuntimeError,
     "RankLostError": RuntimeError,
     "UnevenEvaluationError": RuntimeError,
     "ModelChangedError": RuntimeError,
