@@ -172,7 +172,9 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: timede
     timeout = timeout or DEFAULT_TIMEOUT
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     prefix = restart_prefix()
-    if backend == "gloo" and world_size > 1:
+    this_host = _ranks_on_this_host(rank)
+    if backend == "gloo" and world_size > 1 and (this_host is None or len(this_host) < world_size):
+        # only a job over several hosts (or where the launcher does not say) can have a host the others cannot reach
         check_host_addresses(dist.PrefixStore(prefix, store), rank, world_size, timeout)
     dist.init_process_group(
         backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size, timeout=timeout
