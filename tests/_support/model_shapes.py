@@ -1,9 +1,11 @@
 """Model shapes users build every day, with the data and the single-process reference that the Trainer's and Fabric's
 ZeRO runs of them are compared with: an ``nn.TransformerEncoder`` (it deep-copies its layer while it is built), an
 MLP that its parent initialises again after building it (nanoGPT's ``self.apply(self._init_weights)``), a layer
-some steps skip (no rank uses it in some windows or micro-batches)."""
+some steps skip (no rank uses it in some windows or micro-batches), trained with AdamW and weight decay."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -110,12 +112,15 @@ def assert_close(
 # ------------------------------------------------------------------------------------- a layer some steps skip
 #: per accumulation window, per micro-batch: whether the forward runs the skippable layer (on every rank alike)
 USES_SKIPPABLE = [[True, True], [False, True], [False, False], [True, False]]
-SKIP_BATCH, SKIP_LR = 2, 0.1
+SKIP_BATCH, SKIP_LR, SKIP_WEIGHT_DECAY = 2, 0.05, 0.1
 SKIP_STRATEGIES = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+#: the windows a run saves before it is resumed: the layer was skipped in the last one, used in the next
+SAVED_WINDOWS = 3
 
 
 class SometimesSkipped(nn.Module):
-    """A layer the forward runs only when told: one process gives it no gradient, and SGD leaves it alone."""
+    """A layer the forward runs only when told: one process gives it no gradient, and AdamW leaves it (weights,
+    moments, step count) alone."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -141,12 +146,23 @@ def uses_skippable(batch_idx: int) -> bool:
     return USES_SKIPPABLE[batch_idx // 2][batch_idx % 2]
 
 
-def skip_reference() -> dict[str, torch.Tensor]:
-    """Plain SGD in one process, one step per window on both ranks' micro-batches (as the distributed sampler of a
+def skip_optimizer(
+    parameters: Iterable[nn.Parameter], optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW
+) -> torch.optim.Optimizer:
+    """AdamW with weight decay: one process neither decays a parameter without a gradient nor advances its step count
+    (``optimizer``: another class, with its defaults, to see what lightspeed says of it)."""
+    if optimizer is not torch.optim.AdamW:
+        return optimizer(parameters, lr=SKIP_LR)
+    return torch.optim.AdamW(parameters, lr=SKIP_LR, weight_decay=SKIP_WEIGHT_DECAY)
+
+
+def skip_reference(zero_gradient: bool = False) -> dict[str, torch.Tensor]:
+    """AdamW in one process, one step per window on both ranks' micro-batches (as the distributed sampler of a
     training dataloader deals them in epoch 0), each micro-batch's forward running the skippable layer or not; the
-    window's loss is the mean over its samples."""
+    window's loss is the mean over its samples. ``zero_gradient``: a parameter without a gradient gets a zero one
+    before each step (what ``unused_parameters="zero_gradient"`` does)."""
     model = SometimesSkipped()
-    optimizer = torch.optim.SGD(model.parameters(), lr=SKIP_LR)
+    optimizer = skip_optimizer(model.parameters())
     x, y = skip_data().tensors
     micro_batches = rank_batches(len(x), 2, SKIP_BATCH, epoch=0)
     for window, uses in enumerate(USES_SKIPPABLE):
@@ -157,5 +173,8 @@ def skip_reference() -> dict[str, torch.Tensor]:
                 index = torch.tensor(rank_indices)
                 losses.append(nn.functional.mse_loss(model(x[index], use), y[index]))
         torch.stack(losses).mean().backward()
+        for parameter in model.parameters():
+            if zero_gradient and parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,10 +1,11 @@
 """A tiny top-2 mixture-of-experts network whose ranks call different experts at every step, its data split by rank
-and step, and the plain single-process training it must equal under ZeRO-3.
+and step, and the plain single-process training it must equal under ZeRO.
 
 The routing is fixed by the data (hash routing): at step ``s`` rank ``r``'s tokens go to experts ``2r + s`` and
-``2r + s + 1`` (mod 4), so in every step the two ranks call disjoint pairs of experts and together call all four
-(an expert no rank calls would take an Adam step on a zero gradient, which one process does not take). The router
-still weighs the two chosen experts, so it trains too.
+``2r + s + 1`` (mod 4), so the two ranks call disjoint pairs of experts, except at step ``SHARED_STEP``, where both
+call experts 1 and 2 and no token reaches experts 0 and 3: one process's AdamW leaves those two alone in that step
+(no decay, no moment update, their step count one behind afterwards). The router still weighs the two chosen
+experts, so it trains too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 IN_FEATURES, DIM, OUT_FEATURES, EXPERTS, TOP_K = 5, 6, 3, 4, 2
 WORLD, STEPS, BATCH = 2, 4, 4
 LR, WEIGHT_DECAY = 1e-2, 0.01
+SHARED_STEP = 1  # the step at which every rank routes to experts 1 and 2 (none to 0 and 3)
 
 
 class SparseMoeBlock(nn.Module):
@@ -67,6 +69,8 @@ def make_moe_net(seed: int = 0) -> MoeNet:
 
 def experts_of(step: int, rank: int) -> list[int]:
     """The two experts rank ``rank``'s tokens go to at ``step``."""
+    if step == SHARED_STEP:
+        return [1, 2]
     first = 2 * rank + step
     return [first % EXPERTS, (first + 1) % EXPERTS]
 

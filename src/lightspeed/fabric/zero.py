@@ -150,6 +150,8 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
             rank's slice, and the loop calls ``model(**batch)`` with it. 1 (default): off.
         tiled_mlp: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
         tiled_logits_loss: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
+        unused_parameters: what a step does to the parameters no rank used in it, as for the Trainer's
+            :class:`~lightspeed.strategies.ZeroStrategy`: ``"skip"`` (default, as one process) or ``"zero_gradient"``.
         **unsupported: none is taken: a keyword the Fabric strategy does not take (e.g. ``sync_with_dataloader``,
             ``offload_params_device``) is a ``TypeError`` saying what to use instead.
     """
@@ -192,6 +194,7 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
         sequence_parallel_size: int = 1,
         tiled_mlp: bool = False,
         tiled_logits_loss: bool | int = False,
+        unused_parameters: str = "skip",
         **unsupported: Any,
     ) -> None:
         refuse_unknown_keywords(type(self).__name__, unsupported, ZeroFabricStrategy, "Fabric")

@@ -71,9 +71,9 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
             ``synchronize_checkpoint_boundary``, ``profile``; low-memory states: ``bf16_master_weights_and_grads``,
             ``bf16_optimizer_states`` (counted by the plan); ``leaf_modules``, ``exclude_frozen_parameters``,
             ``load_full_weights``, ``node_local_storage``, ``compile``, ``compile_kwargs``, ``sequence_parallel_size``
-            (not with ``tune=True``), ``tiled_mlp``, ``tiled_logits_loss``, ``timeout``, ``logging_level``,
-            ``process_group_backend``; and the ones Fabric sets: ``accelerator``, ``parallel_devices``,
-            ``cluster_environment``, ``precision``.
+            (not with ``tune=True``), ``tiled_mlp``, ``tiled_logits_loss``, ``unused_parameters``, ``timeout``,
+            ``logging_level``, ``process_group_backend``; and the ones Fabric sets: ``accelerator``,
+            ``parallel_devices``, ``cluster_environment``, ``precision``.
             ``stage``, ``offload_optimizer`` and ``offload_parameters`` are chosen here: passing one is an error.
     """
 

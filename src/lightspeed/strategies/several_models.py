@@ -167,7 +167,14 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
             if message is not None:
                 rank_zero_info(f"lightspeed: {name}: {message}")
             engine, deepspeed_optimizer, _ = initialize_engine(
-                config, model, optimizer, None, self.root_device.index, self.local_rank, self._session.leaf_modules
+                config,
+                model,
+                optimizer,
+                None,
+                self.root_device.index,
+                self.local_rank,
+                self._session.leaf_modules,
+                unused_parameters=self._session.unused_parameters,
             )
             self.model_engines[name] = engine
             seen = _ModelOptimizer(deepspeed_optimizer, model.parameters())

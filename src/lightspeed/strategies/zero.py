@@ -157,6 +157,13 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
             whole ``[tokens, vocabulary]`` logits never exist (each chunk's are made again in the backward pass):
             True (about 1 GiB of float32 logits per chunk) or the tokens per chunk. The model's output then has no
             logits when it is called with labels in training. With or without sequence parallelism.
+        unused_parameters: what an optimizer step does to the parameters no rank used in it (a layer some steps
+            skip, a head the step did not choose, experts no token reached). ``"skip"`` (default): as in one process,
+            their weights and optimizer state stay as they were, and under Adam each parameter keeps its own step
+            count (saved in checkpoints); exact for SGD without dampening, RMSprop, Adagrad without ``lr_decay``,
+            Adadelta, Adam and AdamW; another optimizer raises at the first step that leaves a parameter unused.
+            ``"zero_gradient"``: they take a step on a zero gradient (momentum, weight decay and Adam's moments move
+            them), at no cost. See ``docs/zero.md``.
         **unsupported: none is taken: a keyword of Lightning's ``DeepSpeedStrategy`` that lightspeed does not take
             (e.g. ``offload_params_device``, ``logging_batch_size_per_gpu``) is a ``TypeError`` saying what to use
             instead.
@@ -205,6 +212,7 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         sequence_parallel_size: int = 1,
         tiled_mlp: bool = False,
         tiled_logits_loss: bool | int = False,
+        unused_parameters: str = "skip",
         **unsupported: Any,
     ) -> None:
         refuse_unknown_keywords(type(self).__name__, unsupported, ZeroStrategy, "Trainer")

@@ -81,8 +81,9 @@ class ZeroAutoStrategy(ZeroStrategy):
             the plan); ``leaf_modules`` (marked when ZeRO-3 is chosen); ``exclude_frozen_parameters``,
             ``load_full_weights``, ``sync_with_dataloader``, ``node_local_storage``, ``start_method``, ``compile``,
             ``compile_kwargs``, ``models``, ``sequence_parallel_size`` (not with ``tune=True``), ``tiled_mlp``,
-            ``tiled_logits_loss``, ``timeout``, ``logging_level``, ``process_group_backend``; and the ones the Trainer
-            sets: ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``precision_plugin``.
+            ``tiled_logits_loss``, ``unused_parameters``, ``timeout``, ``logging_level``, ``process_group_backend``;
+            and the ones the Trainer sets: ``accelerator``, ``parallel_devices``, ``cluster_environment``,
+            ``precision_plugin``.
             ``stage``, ``offload_optimizer`` and ``offload_parameters`` are chosen here: passing one is an error.
     """
 

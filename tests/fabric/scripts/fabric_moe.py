@@ -1,8 +1,10 @@
-"""Worker: a tiny top-2 mixture-of-experts network in a Fabric loop under ``ZeroFabricStrategy(stage=3)``, 2 CPU
-ranks, fp32, each rank's tokens routed to other experts at every step (:mod:`_support.moe`). ``fabric.setup`` finds
-the MoE block and marks it as a ZeRO-3 leaf module before the engine is built.
+"""Worker: a tiny top-2 mixture-of-experts network in a Fabric loop under ``ZeroFabricStrategy(stage=1)``,
+``stage=2`` (refused), then ``stage=3``, 2 CPU ranks, fp32, each rank's tokens routed to other experts at every step,
+two experts reached by no token in one step (:mod:`_support.moe`). Under ZeRO-3 ``fabric.setup`` finds the MoE
+block and marks it as a leaf module before the engine is built.
 
-Rank 0 writes OUT/result.pt: the trained weights (gathered) and whether the block was marked.
+Rank 0 writes OUT/result.pt: the trained weights (ZeRO-3's gathered), whether the block was marked, ZeRO-1's
+weights, and ZeRO-2's error.
 
 usage: fabric_moe.py OUT [LEAF_MODULES]   (LEAF_MODULES "none": ``leaf_modules=None``, to see the failure by hand)
 """
@@ -21,8 +23,7 @@ from _support import moe
 from _support.models import full_state_dict
 
 
-def main(out: Path, leaf_modules: Any) -> None:
-    strategy = lightspeed.fabric.ZeroFabricStrategy(stage=3, param_persistence_threshold=0, leaf_modules=leaf_modules)
+def train(strategy: lightspeed.fabric.ZeroFabricStrategy) -> tuple[int, torch.nn.Module]:
     fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=moe.WORLD)
     fabric.launch()
     net = moe.make_moe_net()
@@ -31,9 +32,28 @@ def main(out: Path, leaf_modules: Any) -> None:
         optimizer.zero_grad()
         fabric.backward(moe.loss(model, micro_batch))
         optimizer.step()
+    return fabric.global_rank, net
+
+
+def zero2_error() -> str:
+    try:
+        train(lightspeed.fabric.ZeroFabricStrategy(stage=2))
+    except lightspeed.errors.DeepSpeedConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def main(out: Path, leaf_modules: Any) -> None:
+    _, zero1 = train(lightspeed.fabric.ZeroFabricStrategy(stage=1))
+    refused = zero2_error()
+    rank, net = train(
+        lightspeed.fabric.ZeroFabricStrategy(stage=3, param_persistence_threshold=0, leaf_modules=leaf_modules)
+    )
     weights = full_state_dict(net)
-    if fabric.global_rank == 0:
-        torch.save({"weights": weights, "leaf": bool(getattr(net.moe, "_z3_leaf", False))}, out / "result.pt")
+    if rank == 0:
+        result = {"weights": weights, "leaf": bool(getattr(net.moe, "_z3_leaf", False)), "zero1": zero1.state_dict()}
+        result["zero2_error"] = refused
+        torch.save(result, out / "result.pt")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Worker: model shapes under the Trainer's ZeRO-3 on 2 CPU ranks, fp32: an ``nn.TransformerEncoder`` built in
 ``configure_model`` (it deep-copies its layer inside ZeRO-3's init context), trained ``STEPS`` steps; an MLP
 initialised again by its parent in ``configure_model``, gathered when training starts; a layer some micro-batches skip,
-with accumulation over 2, under every ZeRO stage with and without optimizer offload.
+with accumulation over 2 and AdamW, under every ZeRO stage with and without optimizer offload.
 
 Rank 0 writes OUT/result.pt: the gathered weights per case.
 
@@ -70,7 +70,7 @@ class SometimesSkippedModule(L.LightningModule):
         return torch.nn.functional.mse_loss(self.model(x, ms.uses_skippable(batch_idx)), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.model.parameters(), lr=ms.SKIP_LR)
+        return ms.skip_optimizer(self.model.parameters())
 
 
 def sometimes_skipped(name: str) -> dict[str, torch.Tensor]:

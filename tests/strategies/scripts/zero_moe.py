@@ -1,8 +1,9 @@
-"""Worker: a tiny top-2 mixture-of-experts LightningModule (built in ``configure_model``, so partitioned at creation)
-under ``ZeroStrategy(stage=3)``, 2 CPU ranks, fp32, each rank's tokens routed to other experts at every step
-(:mod:`_support.moe`). The MoE block is found and marked as a ZeRO-3 leaf module before the engine is built.
+"""Worker: a tiny top-2 mixture-of-experts LightningModule (built in ``configure_model``) under
+``ZeroStrategy(stage=1)``, then ``stage=3`` (partitioned at creation), 2 CPU ranks, fp32, each rank's tokens routed to
+other experts at every step, two experts reached by no token in one step (:mod:`_support.moe`). Under ZeRO-3 the MoE
+block is found and marked as a leaf module before the engine is built.
 
-Rank 0 writes OUT/result.pt: the trained weights (gathered) and whether the block was marked.
+Rank 0 writes OUT/result.pt: the trained weights (ZeRO-3's, gathered), whether the block was marked, ZeRO-1's.
 
 usage: zero_moe.py OUT [LEAF_MODULES]   (LEAF_MODULES "none": ``leaf_modules=None``, to see the failure by hand)
 """
@@ -41,8 +42,7 @@ class MoeModule(L.LightningModule):
         return moe.optimizer(self.net)
 
 
-def main(out: Path, leaf_modules: Any) -> None:
-    strategy = lightspeed.strategies.ZeroStrategy(stage=3, param_persistence_threshold=0, leaf_modules=leaf_modules)
+def train(strategy: lightspeed.strategies.ZeroStrategy) -> tuple[int, moe.MoeNet]:
     trainer = quiet_trainer(
         strategy=strategy, accelerator="cpu", devices=moe.WORLD, max_steps=moe.STEPS, use_distributed_sampler=False
     )
@@ -50,9 +50,18 @@ def main(out: Path, leaf_modules: Any) -> None:
     loader = DataLoader(moe.rank_batches(trainer.global_rank), batch_size=None)  # each rank its own micro-batches
     trainer.fit(module, loader)
     assert module.net is not None
-    weights = full_state_dict(module.net)
-    if trainer.global_rank == 0:
-        torch.save({"weights": weights, "leaf": bool(getattr(module.net.moe, "_z3_leaf", False))}, out / "result.pt")
+    return trainer.global_rank, module.net
+
+
+def main(out: Path, leaf_modules: Any) -> None:
+    _, zero1 = train(lightspeed.strategies.ZeroStrategy(stage=1))
+    rank, net = train(
+        lightspeed.strategies.ZeroStrategy(stage=3, param_persistence_threshold=0, leaf_modules=leaf_modules)
+    )
+    weights = full_state_dict(net)
+    if rank == 0:
+        result = {"weights": weights, "leaf": bool(getattr(net.moe, "_z3_leaf", False)), "zero1": zero1.state_dict()}
+        torch.save(result, out / "result.pt")
 
 
 if __name__ == "__main__":

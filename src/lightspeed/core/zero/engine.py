@@ -43,6 +43,7 @@ from lightspeed.core.zero.runtime import (
     use_deepspeed_accelerator,
 )
 from lightspeed.core.zero.stale_gradients import clear_stale_gradients
+from lightspeed.core.zero.unused_parameters import leave_unused_parameters
 
 __all__ = [
     "CHECKPOINT_TAG",
@@ -111,6 +112,7 @@ def initialize_engine(
     local_rank: int,
     leaf_modules: LeafModules | None = None,
     mpu: Any = None,
+    unused_parameters: str = "skip",
 ) -> tuple[Any, Any, Any]:
     """``deepspeed.initialize`` on an existing process group; returns ``(engine, optimizer, lr_scheduler)``. Without
     a client ``optimizer`` DeepSpeed builds the one (and the scheduler) the config's sections describe, if any.
@@ -118,7 +120,8 @@ def initialize_engine(
     ``device_index`` is the root device's CUDA index (None on the CPU, where the local rank is used). Under ZeRO-3 the
     ``leaf_modules`` (the strategy's argument; None: the mixture-of-experts blocks found) are marked first: DeepSpeed
     reads the flag while it hooks the model, and without it ranks routing to different experts fall out of step.
-    ``mpu``: DeepSpeed's sequence-parallel groups (None without sequence parallelism)."""
+    ``mpu``: DeepSpeed's sequence-parallel groups (None without sequence parallelism). ``unused_parameters``: what a
+    step does to the parameters no rank used (:mod:`~lightspeed.core.zero.unused_parameters`)."""
     import deepspeed
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -151,6 +154,7 @@ def initialize_engine(
         run_alone_while_switched_off(engine)
     if trains:
         clear_stale_gradients(deepspeed_optimizer)
+        leave_unused_parameters(engine, deepspeed_optimizer, model, unused_parameters)
     return engine, deepspeed_optimizer, scheduler
 
 

@@ -55,6 +55,7 @@ from lightspeed.core.zero.engine import (
 )
 from lightspeed.core.zero.leaf_modules import LeafModules
 from lightspeed.core.zero.runtime import check_precision_supported, export_deepspeed_accelerator
+from lightspeed.core.zero.unused_parameters import check_unused_parameters_mode
 
 __all__ = ["ZeroConfigProperties", "ZeroSession"]
 
@@ -75,6 +76,8 @@ class ZeroSession:
         sequence_parallel_size: ranks that split each sequence (Ulysses attention; 1: off).
         tiled_mlp: run the model's MLP blocks over slices of the sequence (DeepSpeed's ``TiledMLP``).
         tiled_logits_loss: compute the model's training loss over chunks of tokens (True, or the tokens per chunk).
+        unused_parameters: ``"skip"`` leaves the parameters no rank used in a step as one process does;
+            ``"zero_gradient"`` gives them a zero-gradient step (:mod:`~lightspeed.core.zero.unused_parameters`).
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class ZeroSession:
         sequence_parallel_size: int = 1,
         tiled_mlp: bool = False,
         tiled_logits_loss: bool | int = False,
+        unused_parameters: str = "skip",
     ) -> None:
         if node_local_storage:
             config.setdefault("checkpoint", {})["use_node_local_storage"] = True
@@ -100,6 +104,7 @@ class ZeroSession:
         self.activation_checkpointing_policy = activation_checkpointing_policy
         self.leaf_modules = LeafModules() if leaf_modules is None else leaf_modules
         self.sequence_parallel = SequenceParallel(sequence_parallel_size, tiled_mlp, tiled_logits_loss)
+        self.unused_parameters = unused_parameters
         if exclude_frozen_parameters != "auto" and not isinstance(exclude_frozen_parameters, bool):
             raise ValueError(
                 f"exclude_frozen_parameters must be True, False or 'auto', got {exclude_frozen_parameters!r}"
@@ -126,8 +131,8 @@ class ZeroSession:
         """The session of a front end built with ``arguments`` (its constructor's, by name; left out: the defaults):
         ``compile``, ``compile_kwargs``, ``activation_checkpointing_policy`` (already parsed), ``leaf_modules`` (checked
         here: a bad one fails when the strategy is created), ``node_local_storage``,
-        ``exclude_frozen_parameters``, ``sequence_parallel_size``, ``tiled_mlp`` and ``tiled_logits_loss``.
-        ``owner`` names the strategy class in messages."""
+        ``exclude_frozen_parameters``, ``sequence_parallel_size``, ``tiled_mlp``, ``tiled_logits_loss`` and
+        ``unused_parameters`` (checked here). ``owner`` names the strategy class in messages."""
         return cls(
             config,
             compile=compile_request(arguments.get("compile", False), arguments.get("compile_kwargs"), owner),
@@ -140,6 +145,7 @@ class ZeroSession:
             sequence_parallel_size=arguments.get("sequence_parallel_size", 1),
             tiled_mlp=arguments.get("tiled_mlp", False),
             tiled_logits_loss=arguments.get("tiled_logits_loss", False),
+            unused_parameters=check_unused_parameters_mode(arguments.get("unused_parameters", "skip"), owner),
         )
 
     @property
@@ -258,7 +264,15 @@ class ZeroSession:
         self.sequence_parallel.check_config(config_stage(config), config.get("zero_optimization") or {})
         mpu = self.sequence_parallel.install(model, compiled=self.compile_request is not None)
         engine, deepspeed_optimizer, deepspeed_scheduler = initialize_engine(
-            config, model, optimizer, scheduler, device_index, local_rank, self.leaf_modules, mpu=mpu
+            config,
+            model,
+            optimizer,
+            scheduler,
+            device_index,
+            local_rank,
+            self.leaf_modules,
+            mpu=mpu,
+            unused_parameters=self.unused_parameters,
         )
         self.compile(engine)
         return engine, deepspeed_optimizer, deepspeed_scheduler

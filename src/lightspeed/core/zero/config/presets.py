@@ -103,9 +103,12 @@ def zero_preset(
         zero.update(
             {"allgather_partitions": True, "reduce_scatter": True, "allgather_bucket_size": allgather_bucket_size}
         )
+    if stage == 1:
+        # gradients are reduced once, at the accumulation boundary, so there is nothing to overlap; without
+        # DeepSpeed's gradient hooks (contiguous_gradients) they are reduced parameter by parameter in a fixed order,
+        # so ranks that used different parameters still reduce the same list (see core/zero/unused_parameters.py)
+        zero["contiguous_gradients"] = False
     if stage >= 2:
-        # Stage 1 keeps DeepSpeed's defaults (its ZeRO tutorial sets only bucket sizes there): gradients are
-        # reduced once at the accumulation boundary, so there is nothing to overlap.
         zero.update({"overlap_comm": True, "contiguous_gradients": True})
     if stage == 3:
         zero.update(
