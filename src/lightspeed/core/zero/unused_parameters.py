@@ -33,7 +33,10 @@ from typing import Any
 import torch
 from torch.optim.adam import adam
 
+from lightspeed.core.common.distributed import global_rank
+from lightspeed.core.common.logs import logger
 from lightspeed.core.errors import DeepSpeedConfigError
+from lightspeed.core.zero.leaf_modules import moe_blocks
 
 __all__ = ["MODES", "SKIPPED_STEPS_KEY", "UnusedParameters", "check_unused_parameters_mode", "leave_unused_parameters"]
 
@@ -101,6 +104,7 @@ class UnusedParameters:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
         self._optimizer = optimizer
+        self._module = module
         self._stage3 = isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)
         groups = optimizer.fp16_groups if self._stage3 else optimizer.bit16_groups
         self._params: list[torch.nn.Parameter] = [param for group in groups for param in group]
@@ -111,6 +115,7 @@ class UnusedParameters:
         self._used = bytearray(len(self._params))  # in the window
         self._used_in_backward = bytearray(len(self._params))  # since the last reduction (ZeRO-2 reduces each one)
         self._unused: frozenset[int] = frozenset()
+        self._window_counts: torch.Tensor | None = None  # ranks using each parameter, counted by ZeRO-1's reduction
         self._fragments: dict[int, list[_Fragment]] = {}  # by flat partition (its group's index)
         for index, param in enumerate(self._params):
             previous = getattr(param, "_lightspeed_use_hook", None)
@@ -143,15 +148,20 @@ class UnusedParameters:
         return counts.cpu()
 
     def _agree_unused(self) -> frozenset[int]:
-        """The parameters no rank of the optimizer's data-parallel group used since the last step (a collective)."""
-        return frozenset(int(i) for i in (self._ranks_using(self._used) == 0).nonzero().flatten().tolist())
+        """The parameters no rank of the optimizer's data-parallel group used since the last step (a collective,
+        unless ZeRO-1's reduction counted them already in this window)."""
+        counts, self._window_counts = self._window_counts, None
+        if counts is None:
+            counts = self._ranks_using(self._used)
+        return frozenset(int(i) for i in (counts == 0).nonzero().flatten().tolist())
 
     def reduce_every_gradient(self, engine: Any) -> None:
         """ZeRO-1/2 sum each parameter's gradient over the ranks that have one, matched by position: a parameter some
         ranks used and others did not (ranks routing to different experts, skipping different layers) shifts what is
         added to what, silently. ZeRO-1 reduces at the window's end, parameter by parameter in a fixed order: a zero
-        gradient for every parameter without one makes every rank reduce the same list. ZeRO-2 (and ZeRO-1 with
-        ``overlap_comm`` or ``contiguous_gradients``) reduce in the order gradients arrive, during the backward: after
+        gradient for every parameter some rank used and this one did not makes every rank reduce the same list (one
+        no rank used is left out on every rank). ZeRO-2 (and ZeRO-1 with ``overlap_comm``, ``contiguous_gradients``
+        or a gradient accumulation dtype of its own) reduce in the order gradients arrive, during the backward: after
         each backward the ranks compare which parameters they used, and a difference is an error on every rank before
         anything is stepped."""
         optimizer = self._optimizer
@@ -161,13 +171,23 @@ class UnusedParameters:
             reduce = optimizer.reduce_gradients
 
             def reduce_gradients(*args: Any, **kwargs: Any) -> Any:
-                for param in self._params:
+                self._window_counts = counts = self._ranks_using(self._used)
+                for index in (counts > 0).nonzero().flatten().tolist():  # no rank reduces what none used
+                    param = self._params[index]
                     if optimizer.get_gradient_for_reduction(param) is None:
                         param.grad = torch.zeros_like(param)
                 return reduce(*args, **kwargs)
 
             optimizer.reduce_gradients = reduce_gradients
             return
+        blocks = moe_blocks(self._module)
+        if blocks and global_rank() == 0:
+            logger.warning(
+                f"lightspeed: {', '.join(blocks)}: mixture-of-experts blocks under ZeRO-"
+                f"{optimizer.partition_gradients + 1}, which reduces gradients in the order they arrive: a backward in "
+                "which the ranks' tokens reach different experts will be an error. ZeRO-1 and ZeRO-3 train such "
+                "blocks exactly."
+            )
         allreduce = engine.allreduce_gradients
 
         def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
