@@ -28,15 +28,15 @@ def test_a_moe_model_whose_ranks_use_different_experts_trains_like_one_process_u
     moe.close(result["zero1"])
     warning = (
         "lightspeed: moe: mixture-of-experts blocks under ZeRO-2, which reduces gradients in the order they arrive: a "
-        "backward in which the ranks' tokens reach different experts will be an error. ZeRO-1 and ZeRO-3 train such "
-        "blocks exactly."
+        "backward in which the ranks' tokens reach different experts will be an error. ZeRO-1 without optimizer "
+        "offload and ZeRO-3 train such blocks exactly."
     )
     assert (proc.stdout + proc.stderr).count(warning) == 1  # when the engine is built, rank 0
     assert result["zero2_error"] == (
         "Some ranks used moe.experts.0.0.weight, moe.experts.0.0.bias, moe.experts.0.2.weight, moe.experts.0.2.bias, "
         "moe.experts.1.0.weight and 11 more in this backward and others did not (ranks whose tokens reach different "
         "experts, or that skip different layers). This ZeRO-2 run reduces gradients in the order they arrive during "
-        "the backward, so these sums would be wrong. Use ZeRO-1 as lightspeed configures it (every parameter reduced "
-        "in a fixed order, with a zero gradient where a rank has none) or ZeRO-3 (mixture-of-experts blocks are "
-        "marked as leaf modules)."
+        "the backward, so these sums would be wrong. Use ZeRO-1 without optimizer offload (lightspeed reduces every "
+        "parameter at the window's end in a fixed order, with a zero gradient where a rank has none) or ZeRO-3 "
+        "(mixture-of-experts blocks are marked as leaf modules)."
     )

@@ -64,11 +64,13 @@ def leave_unused_parameters(engine: Any, optimizer: Any, module: torch.nn.Module
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
-        tracker = UnusedParameters(optimizer, module, skip=mode == "skip")
-        tracker.reduce_every_gradient(engine)
-        if mode == "skip":
-            tracker.attach_to_checkpoints(engine)
+    stage3 = isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)
+    if not (stage3 or isinstance(optimizer, DeepSpeedZeroOptimizer)) or (stage3 and mode != "skip"):
+        return  # not ZeRO's; or ZeRO-3, whose reduction needs nothing, under "zero_gradient"
+    tracker = UnusedParameters(optimizer, module, skip=mode == "skip")
+    tracker.reduce_every_gradient(engine)
+    if mode == "skip":
+        tracker.attach_to_checkpoints(engine)
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class UnusedParameters:
             if previous is not None:
                 previous.remove()  # an earlier engine's tracker of the same parameter
             param._lightspeed_use_hook = param.register_hook(self._note_use(index))  # type: ignore[attr-defined]
+        self._skip = skip
         if skip:
             self._wrap_step()
             for inner in (optimizer.optimizer, getattr(optimizer, "backup_optimizer", None)):
@@ -164,7 +167,7 @@ class UnusedParameters:
         or a gradient accumulation dtype of its own) reduce in the order gradients arrive, during the backward: after
         each backward the ranks compare which parameters they used, and a difference is an error on every rank before
         anything is stepped."""
-        optimizer = self._optimizer
+        optimizer, skip = self._optimizer, self._skip
         if self._stage3:
             return
         if not optimizer._grad_acc_hooks:
@@ -172,6 +175,8 @@ class UnusedParameters:
 
             def reduce_gradients(*args: Any, **kwargs: Any) -> Any:
                 self._window_counts = counts = self._ranks_using(self._used)
+                if not skip:  # no step reads (and resets) the window's uses
+                    self._used[:] = bytes(len(self._used))
                 for index in (counts > 0).nonzero().flatten().tolist():  # no rank reduces what none used
                     param = self._params[index]
                     if optimizer.get_gradient_for_reduction(param) is None:
@@ -185,8 +190,8 @@ class UnusedParameters:
             logger.warning(
                 f"lightspeed: {', '.join(blocks)}: mixture-of-experts blocks under ZeRO-"
                 f"{optimizer.partition_gradients + 1}, which reduces gradients in the order they arrive: a backward in "
-                "which the ranks' tokens reach different experts will be an error. ZeRO-1 and ZeRO-3 train such "
-                "blocks exactly."
+                "which the ranks' tokens reach different experts will be an error. ZeRO-1 without optimizer offload "
+                "and ZeRO-3 train such blocks exactly."
             )
         allreduce = engine.allreduce_gradients
 
@@ -207,8 +212,9 @@ class UnusedParameters:
                 f"Some ranks used {shown} in this backward and others did not (ranks whose tokens reach different "
                 f"experts, or that skip different layers). This ZeRO-{self._optimizer.partition_gradients + 1} run "
                 "reduces gradients in the order they arrive during the backward, so these sums would be wrong. Use "
-                "ZeRO-1 as lightspeed configures it (every parameter reduced in a fixed order, with a zero gradient "
-                "where a rank has none) or ZeRO-3 (mixture-of-experts blocks are marked as leaf modules)."
+                "ZeRO-1 without optimizer offload (lightspeed reduces every parameter at the window's end in a fixed "
+                "order, with a zero gradient where a rank has none) or ZeRO-3 (mixture-of-experts blocks are marked "
+                "as leaf modules)."
             )
 
     def _wrap_step(self) -> None:
