@@ -149,20 +149,26 @@ def uses_skippable(batch_idx: int) -> bool:
 def skip_optimizer(
     parameters: Iterable[nn.Parameter], optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW
 ) -> torch.optim.Optimizer:
-    """AdamW with weight decay: one process neither decays a parameter without a gradient nor advances its step count
-    (``optimizer``: another class, with its defaults, to see what lightspeed says of it)."""
-    if optimizer is not torch.optim.AdamW:
-        return optimizer(parameters, lr=SKIP_LR)
-    return torch.optim.AdamW(parameters, lr=SKIP_LR, weight_decay=SKIP_WEIGHT_DECAY)
+    """AdamW with weight decay: one process neither decays a parameter without a gradient nor advances its step count.
+    SGD: with momentum and weight decay, which a parameter without a gradient keeps out of too. Another class: with
+    its defaults (to see what lightspeed says of it)."""
+    if optimizer is torch.optim.AdamW:
+        return torch.optim.AdamW(parameters, lr=SKIP_LR, weight_decay=SKIP_WEIGHT_DECAY)
+    if optimizer is torch.optim.SGD:
+        return torch.optim.SGD(parameters, lr=SKIP_LR, momentum=0.9, weight_decay=SKIP_WEIGHT_DECAY)
+    return optimizer(parameters, lr=SKIP_LR)
 
 
-def skip_reference(zero_gradient: bool = False) -> dict[str, torch.Tensor]:
-    """AdamW in one process, one step per window on both ranks' micro-batches (as the distributed sampler of a
-    training dataloader deals them in epoch 0), each micro-batch's forward running the skippable layer or not; the
-    window's loss is the mean over its samples. ``zero_gradient``: a parameter without a gradient gets a zero one
-    before each step (what ``unused_parameters="zero_gradient"`` does)."""
+def skip_reference(
+    zero_gradient: bool = False, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW
+) -> dict[str, torch.Tensor]:
+    """One plain process (AdamW, or ``optimizer_class`` as :func:`skip_optimizer` makes it), one step per window on
+    both ranks' micro-batches (as the distributed sampler of a training dataloader deals them in epoch 0), each
+    micro-batch's forward running the skippable layer or not; the window's loss is the mean over its samples.
+    ``zero_gradient``: a parameter without a gradient gets a zero one before each step (what
+    ``unused_parameters="zero_gradient"`` does)."""
     model = SometimesSkipped()
-    optimizer = skip_optimizer(model.parameters())
+    optimizer = skip_optimizer(model.parameters(), optimizer_class)
     x, y = skip_data().tensors
     micro_batches = rank_batches(len(x), 2, SKIP_BATCH, epoch=0)
     for window, uses in enumerate(USES_SKIPPABLE):

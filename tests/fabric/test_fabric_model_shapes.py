@@ -64,6 +64,13 @@ def test_zero_gradient_mode_steps_unused_parameters_on_a_zero_gradient(result: d
     assert (want["skippable.weight"] - skipped_alone).abs().max() > 1e-4  # the two modes differ here
 
 
+def test_sgd_with_momentum_leaves_a_skipped_layer_alone_and_steps_it_when_used_again(result: dict[str, Any]) -> None:
+    """SGD's update reads no step count: the skipped layer's pieces are put back, and nothing else is done to it when
+    it is used again."""
+    want = ms.skip_reference(optimizer_class=torch.optim.SGD)
+    ms.assert_close(result["sgd_momentum"], want, "zero2, SGD", ms.SometimesSkipped(), "skippable.weight")
+
+
 def test_an_optimizer_whose_update_reads_its_step_count_is_refused_at_the_first_skip(result: dict[str, Any]) -> None:
     assert result["nadam"] == (
         "DeepSpeedConfigError: No rank used skippable.bias, skippable.weight in this step (a layer skipped, a head not "

@@ -3,7 +3,7 @@
 is built), set up and trained ``STEPS`` steps; an MLP initialised again by its parent, gathered right after
 ``fabric.init_module()``; a layer some micro-batches skip, accumulated over 2 with ``lightspeed.fabric.accumulate``,
 under every ZeRO stage with and without optimizer offload (AdamW), resumed from a checkpoint under ZeRO-2 and ZeRO-3
-with offload, with ``unused_parameters="zero_gradient"``, and with NAdam (an error).
+with offload, with ``unused_parameters="zero_gradient"``, with SGD (momentum, weight decay), and with NAdam (an error).
 
 Rank 0 writes OUT/result.pt: the gathered weights per strategy name (``reinitialized``: the MLP's, under zero3).
 
@@ -105,6 +105,7 @@ def main() -> None:
     for name in ("zero2", "zero3_offload"):
         result[f"resumed_{name}"] = sometimes_skipped(name, save_to=out / f"resumed_{name}")
     result["zero_gradient"] = sometimes_skipped(lightspeed.fabric.ZeroFabricStrategy(unused_parameters="zero_gradient"))
+    result["sgd_momentum"] = sometimes_skipped("zero2", torch.optim.SGD)
     result["nadam"] = error_of(lambda: sometimes_skipped("zero2", torch.optim.NAdam))
     if torch.distributed.get_rank() == 0:
         torch.save(result, out / "result.pt")

@@ -263,7 +263,7 @@ class UnusedParameters:
             if not self._unused and not self.skipped:
                 return step(*args, **kwargs)
             with torch.no_grad():
-                kept = {id(flat): self._keep(inner, flat) for flat in _stepped(inner)}
+                kept = {id(flat): self._keep(inner, group, flat) for group, flat in _stepped(inner)}
             result = step(*args, **kwargs)
             with torch.no_grad():
                 for group in inner.param_groups:
@@ -274,14 +274,15 @@ class UnusedParameters:
 
         inner.step = step_leaving_unused_parameters  # type: ignore[method-assign]
 
-    def _keep(self, inner: torch.optim.Optimizer, flat: torch.Tensor) -> list[_Kept]:
-        """The fragments of ``flat`` to put back after the step: those unused now, and those used now but skipped
-        before (Adam steps them again with their own step count)."""
+    def _keep(self, inner: torch.optim.Optimizer, group: dict[str, Any], flat: torch.Tensor) -> list[_Kept]:
+        """The fragments of ``flat`` (of ``group``) to put back after the step: those unused now, and under Adam
+        those used now but skipped before (stepped again with their own step count)."""
         kept = []
         state = inner.state.get(flat, {})
+        again = _rule(inner, group) == "adam"
         for fragment in self._fragments_of(flat):
             unused = fragment.index in self._unused
-            if not unused and not self.skipped.get(self.names[fragment.index]):
+            if not unused and not (again and self.skipped.get(self.names[fragment.index])):
                 continue
             entry = _Kept(fragment, _slice(flat, fragment).clone())
             for key, value in state.items():
@@ -303,7 +304,7 @@ class UnusedParameters:
                     _slice(value, entry.fragment).zero_()
                 else:
                     _slice(value, entry.fragment).copy_(before)
-        if entry.gradient is not None and _rule(inner, group) == "adam":
+        if entry.gradient is not None:  # kept to be stepped again (Adam)
             skipped = self.skipped[self.names[entry.fragment.index]]
             _step_adam_again(inner, group, flat, entry, _step_count(inner, group, flat) - skipped)
 
@@ -363,9 +364,10 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _stepped(inner: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The flat partitions the inner optimizer's next step updates (DeepSpeed sets the group's params to them)."""
-    return [flat for group in inner.param_groups for flat in group["params"] if flat.grad is not None]
+def _stepped(inner: torch.optim.Optimizer) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """The flat partitions the inner optimizer's next step updates, with their groups (DeepSpeed sets the groups'
+    params to them)."""
+    return [(group, flat) for group in inner.param_groups for flat in group["params"] if flat.grad is not None]
 
 
 def _slice(flat: torch.Tensor, fragment: _Fragment) -> torch.Tensor:
