@@ -45,3 +45,11 @@ def test_a_layer_some_steps_skip_is_left_alone_like_one_process(result: dict[str
     one behind. ZeRO used to step it on a zero gradient (and ZeRO-3 and ZeRO-2 with offload on its gradient of an
     earlier window)."""
     ms.assert_close(result[f"skipped_{name}"], ms.skip_reference(), name, ms.SometimesSkipped(), "skippable.weight")
+
+
+def test_the_steps_a_layer_was_skipped_are_saved_and_resumed(result: dict[str, Any]) -> None:
+    """Resumed by a new Trainer right after the window that skipped the layer: the next window steps it with its own
+    Adam step count, which only the checkpoint knows."""
+    ms.assert_close(
+        result["resumed_zero2"], ms.skip_reference(), "zero2, resumed", ms.SometimesSkipped(), "skippable.weight"
+    )
