@@ -207,7 +207,7 @@ class UnusedParameters:
         world = torch.distributed.get_world_size(self._optimizer.dp_process_group) if _distributed() else 1
         partly = [self.names[i] for i in ((counts > 0) & (counts < world)).nonzero().flatten().tolist()]
         if partly:
-            shown = ", ".join(partly[:_NAMED]) + (f" and {len(partly) - _NAMED} more" if len(partly) > _NAMED else "")
+            shown = _named(partly)
             raise DeepSpeedConfigError(
                 f"Some ranks used {shown} in this backward and others did not (ranks whose tokens reach different "
                 f"experts, or that skip different layers). This ZeRO-{self._optimizer.partition_gradients + 1} run "
@@ -244,7 +244,7 @@ class UnusedParameters:
         for group in inner.param_groups:
             if _rule(inner, group) is None:
                 names = sorted(self.names[index] for index in self._unused)
-                shown = ", ".join(names[:_NAMED]) + (f" and {len(names) - _NAMED} more" if len(names) > _NAMED else "")
+                shown = _named(names)
                 raise DeepSpeedConfigError(
                     f"No rank used {shown} in this step (a layer skipped, a head not chosen, an expert no token "
                     f"reached). One process leaves such parameters and their optimizer state as they are; under ZeRO "
@@ -358,6 +358,11 @@ class UnusedParameters:
 
         engine.save_checkpoint = save_checkpoint
         engine.load_checkpoint = load_checkpoint
+
+
+def _named(names: list[str]) -> str:
+    """The first few of ``names`` for a message, and how many more there are."""
+    return ", ".join(names[:_NAMED]) + (f" and {len(names) - _NAMED} more" if len(names) > _NAMED else "")
 
 
 def _distributed() -> bool:
