@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from _support.hosts import INTERFACE, Host, SimulatedHosts, require_namespaces, simulated_hosts
-from _support.launch import NATIVE_ABORT, REPO_ROOT, child_env, free_port, run_torchrun
+from _support.launch import NATIVE_ABORT, REPO_ROOT, child_env, free_port
 from _support.models import reference_training
 from lightspeed.core.reliability.node_local import check_parts, require_part
 
@@ -98,11 +98,9 @@ def namespaces() -> None:
 
 
 @pytest.fixture(scope="module")
-def one_host(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
-    """The same runs with 4 processes on this machine (zero2_offload, zero3), uninterrupted."""
-    shared = tmp_path_factory.mktemp("one_host")
-    run_torchrun(SCRIPT, 4, ["reference", shared, "1"])
-    return torch.load(shared / "weights_1x4.pt")
+def one_host(one_node_of_four: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The same runs with 4 processes on this machine (zero2_offload, zero3), uninterrupted (conftest's, shared)."""
+    return torch.load(one_node_of_four / "weights_1x4.pt")
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,11 @@ import os
 from _support.launch import REPO_ROOT, run_torchrun
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_tiny_fit.py"
-RUNS = int(os.environ.get("LIGHTSPEED_CLEAN_EXIT_RUNS", "30"))
+#: four fits per suite run (the abort was rare, so every CI run adds four more); LIGHTSPEED_CLEAN_EXIT_RUNS=30 soaks
+RUNS = int(os.environ.get("LIGHTSPEED_CLEAN_EXIT_RUNS", "4"))
 
 
-def test_thirty_short_fits_in_a_row_all_exit_0() -> None:
+def test_short_fits_in_a_row_all_exit_0() -> None:
     failures = []
     for attempt in range(RUNS):
         proc = run_torchrun(SCRIPT, 2, timeout=300, check=False, retry_native_abort=False)

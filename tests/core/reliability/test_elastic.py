@@ -36,7 +36,6 @@ def _assert_same_weights(out: Path) -> None:
         # rank 1 killed at batch 5 of epoch 1 (step 14; last checkpoint: step 12, mid-epoch), then killed during the
         # validation of epoch 2 (last checkpoint: step 24, the epoch's last batch)
         ("ddp_exact", "0:step,1:val", [(0, 0), (12, 4), (24, 8)]),
-        ("zero2_offload", "0:step", [(0, 0), (12, 4)]),
         # killed mid-step, then killed mid-save of step 15 after writing its shard: the restart uses step 12 again
         ("zero3", "0:step,1:save", [(0, 0), (12, 4), (12, 4)]),
     ],
@@ -63,11 +62,9 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(
 @pytest.mark.parametrize(
     ("strategy", "faults", "starts"),
     [
-        # rank 1 killed before step 14 (last checkpoint: step 12, mid-epoch)
-        ("ddp_exact", "0:step", [0, 12]),
+        # rank 1 killed before step 14 (last checkpoint: step 12, mid-epoch), the optimizer offloaded (the Trainer's
+        # runs above kill during validation and during a save; the restart machinery is the same core)
         ("zero2_offload", "0:step", [0, 12]),
-        # killed mid-step, then killed mid-save of step 15 after writing its shard: the restart uses step 12 again
-        ("zero3", "0:step,1:save", [0, 12, 12]),
     ],
 )
 def test_a_killed_rank_in_a_fabric_loop_is_restarted_and_the_loop_ends_as_if_uninterrupted(

@@ -26,8 +26,7 @@ COLLECTIVE = {
 WORKERS = {"trainer": ("hang.py",), "fabric": ("fabric_loop.py", "hang")}
 
 
-@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
-@pytest.mark.parametrize("strategy", ["zero2", "ddp_exact"])
+@pytest.mark.parametrize(("strategy", "front_end"), [("zero2", "trainer"), ("ddp_exact", "fabric")])
 def test_a_stopped_rank_makes_the_others_fail_with_a_named_collective_and_rank(
     tmp_path: Path, strategy: str, front_end: str
 ) -> None:
