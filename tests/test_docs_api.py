@@ -5,7 +5,9 @@ mkdocstrings) shows it: each parameter of a public class or function (``lightspe
 
 A class that takes ``*args``/``**kwargs`` shows only those in its signature, so its entry for them must name every
 keyword they stand for: the arguments of the class it hands them to (:data:`FORWARDS`) and of lightspeed's mixins
-in between. Every public class and function is on a reference page."""
+in between; or, for ``**arguments: Unpack[SomeTypedDict]`` (PEP 692, how the ZeRO strategies declare their arguments
+once for every front end), name the typed dict, which documents each of its keys. Every public class and function,
+and every such typed dict, is on a reference page."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceXLAStrategy, X
 
 import lightspeed
 from _support.launch import REPO_ROOT
+from lightspeed.core.zero.config.keywords import unpacked_typed_dict
 
 MODULES = ("strategies", "fabric", "callbacks", "export", "plugins", "xla")
 _SECTION = re.compile(r"^(\s*)(Args|Arguments|Parameters|Keyword Args|Other Parameters|Attributes):\s*$")
@@ -46,13 +49,9 @@ def _public() -> list[tuple[str, Any]]:
 FORWARDS: dict[str, type] = {
     "lightspeed.strategies.DDPExactStrategy": DDPStrategy,
     "lightspeed.strategies.XLAExactStrategy": XLAStrategy,
-    "lightspeed.strategies.ZeroAutoStrategy": lightspeed.strategies.ZeroStrategy,
     "lightspeed.fabric.DDPExactFabricStrategy": FabricDDPStrategy,
-    "lightspeed.fabric.ZeroAutoFabricStrategy": lightspeed.fabric.ZeroFabricStrategy,
     "lightspeed.plugins.XLAAccelerator": LightningXLAAccelerator,
 }
-#: what the ``zero_auto`` strategies choose themselves (passing it is an error that says so)
-CHOSEN_BY_ZERO_AUTO = {"stage", "offload_optimizer", "offload_parameters"}
 
 
 def _docstrings(obj: Any) -> str:
@@ -109,8 +108,6 @@ def forwarded_keywords(name: str, cls: type) -> set[str]:
             keywords |= set(_named(inspect.signature(vars(base)["__init__"]).parameters))
     target = FORWARDS[name]
     keywords |= set(_named(inspect.signature(target).parameters))
-    if "ZeroAuto" in name:
-        keywords -= CHOSEN_BY_ZERO_AUTO
     return keywords - own
 
 
@@ -141,6 +138,27 @@ def test_args_and_kwargs_entries_name_every_keyword_they_stand_for(name: str) ->
     assert not unnamed, f"{name}: its *args/**kwargs entries do not name {unnamed}"
 
 
+def _typed_kwargs(obj: Any) -> type | None:
+    """The typed dict of ``obj``'s ``**name: Unpack[...]``, else None."""
+    function = obj.__init__ if inspect.isclass(obj) else obj
+    for parameter in inspect.signature(obj).parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            return unpacked_typed_dict(function, parameter.name)
+    return None
+
+
+def _typed_dicts() -> dict[str, type]:
+    """``dotted name -> typed dict`` of every public class's ``**name: Unpack[...]``, and of the typed dicts those
+    are built from."""
+    found: dict[str, type] = {}
+    pending = [typed for _, obj in _public() if (typed := _typed_kwargs(obj)) is not None]
+    while pending:
+        typed = pending.pop()
+        found[f"{typed.__module__}.{typed.__qualname__}"] = typed
+        pending += [base for base in getattr(typed, "__orig_bases__", ()) if hasattr(base, "__annotations__")]
+    return found
+
+
 def test_every_public_class_with_var_arguments_says_where_they_go() -> None:
     var = {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
     forwarding = {
@@ -148,14 +166,39 @@ def test_every_public_class_with_var_arguments_says_where_they_go() -> None:
         for name, obj in _public()
         if inspect.isclass(obj) and {p.kind for p in inspect.signature(obj).parameters.values()} & var
     }
-    # ZeroStrategy / ZeroFabricStrategy: `**unsupported` catches Lightning's DeepSpeedStrategy keywords to refuse them
-    assert forwarding - set(FORWARDS) == {"lightspeed.strategies.ZeroStrategy", "lightspeed.fabric.ZeroFabricStrategy"}
+    typed = {name for name, obj in _public() if _typed_kwargs(obj) is not None}
+    assert {"lightspeed.strategies.ZeroStrategy", "lightspeed.fabric.ZeroAutoFabricStrategy"} <= typed
+    assert forwarding - set(FORWARDS) == typed
+
+
+@pytest.mark.parametrize("name", sorted(n for n, obj in _public() if _typed_kwargs(obj) is not None))
+def test_typed_kwargs_entries_name_their_typed_dict(name: str) -> None:
+    obj = dict(_public())[name]
+    typed = _typed_kwargs(obj)
+    assert typed is not None
+    entries = documented(obj)
+    listed = " ".join(text for entry, text in entries.items() if entry.startswith("**"))
+    assert typed.__name__ in listed, f"{name}: its **kwargs entry does not name {typed.__name__}"
+
+
+def _public_typed_dicts() -> list[str]:
+    return sorted(name for name in _typed_dicts() if not name.rsplit(".", 1)[1].startswith("_"))
+
+
+@pytest.mark.parametrize("name", _public_typed_dicts())
+def test_every_key_of_a_typed_kwargs_dict_is_documented(name: str) -> None:
+    """In its own ``Attributes:`` or in those of the typed dicts it is built from."""
+    typed = _typed_dicts()[name]
+    keys = set(typed.__annotations__)
+    everywhere = set().union(*(documented(t) for t in _typed_dicts().values() if set(t.__annotations__) <= keys))
+    assert keys <= everywhere, f"{name}: keys documented nowhere: {sorted(keys - everywhere)}"
 
 
 def test_every_public_class_and_function_is_on_a_reference_page() -> None:
     pages = "\n".join(path.read_text() for path in sorted((REPO_ROOT / "docs" / "reference").glob("*.md")))
     directives = set(re.findall(r"^::: (\S+)$", pages, re.MULTILINE))
     missing = [name for name, _ in _public() if name not in directives]
+    missing += [name for name in _public_typed_dicts() if name not in directives]
     assert not missing, f"no `::: name` on a docs/reference page for {missing}"
 
 

@@ -26,25 +26,20 @@ Lightning Fabric's ``DeepSpeedStrategy`` with lightspeed's ZeRO core, the same t
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Collection, Mapping
-from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any
 
-import torch
 from lightning.fabric.plugins import Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightspeed.core.zero.compile import CompileRequest
 from lightspeed.core.zero.config import AUTO
-from lightspeed.core.zero.config.keywords import refuse_unknown_keywords
-from lightspeed.core.zero.config.model_recipe import ModelRecipe, arguments_outside_recipe
+from lightspeed.core.zero.config.arguments import strategy_arguments
+from lightspeed.core.zero.config.model_recipe import arguments_outside_recipe
 from lightspeed.core.zero.parameter_checks import check_parameters_for_zero
 from lightspeed.core.zero.runtime import zero_device_kind
 from lightspeed.core.zero.session import ZeroConfigProperties, ZeroSession
@@ -53,6 +48,7 @@ from lightspeed.fabric.process_group import ProcessGroupMixin
 from lightspeed.fabric.sequence_parallel import SequenceParallelMixin
 from lightspeed.fabric.zero_checkpoints import ZeroCheckpointsMixin
 from lightspeed.fabric.zero_engine import ZeroEngineMixin
+from lightspeed.fabric.zero_keywords import FABRIC_DEFAULTS, FabricZeroKeywords
 from lightspeed.fabric.zero_models import ZeroModelsMixin
 from lightspeed.fabric.zero_step import ZeroBackwardSyncControl, ZeroStepMixin
 
@@ -90,118 +86,22 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
     ``Fabric(strategy="zero3_offload", accelerator="cpu", devices=2)``.
 
     Args:
-        stage: ZeRO stage 0-3.
-        offload_optimizer: ``"none"``, ``"cpu"`` or ``"nvme"`` (``True`` means ``"cpu"``).
-        offload_parameters: ``"none"``, ``"cpu"`` or ``"nvme"``; stage 3 only.
-        nvme_path: directory for NVMe offload; defaults to ``$LIGHTSPEED_NVME_PATH``.
-        pin_memory: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
-        reduce_bucket_size: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
-        allgather_bucket_size: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
-        prefetch_bucket_size: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
-        param_persistence_threshold: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
-        sub_group_size: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
-        activation_checkpointing_policy: module classes (a set, e.g. ``{Block}``) whose instances' forward runs under
-            ``deepspeed.checkpointing.checkpoint`` in training, applied at ``fabric.setup`` before the engine is built.
-        partition_activations: DeepSpeed's ``activation_checkpointing`` section, as for the Trainer's
-            :class:`~lightspeed.strategies.ZeroStrategy` (``"auto"`` resolved the same way).
-        cpu_checkpointing: DeepSpeed's ``activation_checkpointing`` section, as for the Trainer's
-            :class:`~lightspeed.strategies.ZeroStrategy` (``"auto"`` resolved the same way).
-        contiguous_memory_optimization: DeepSpeed's ``activation_checkpointing`` section, as for the Trainer's
-            :class:`~lightspeed.strategies.ZeroStrategy` (``"auto"`` resolved the same way).
-        number_checkpoints: DeepSpeed's ``activation_checkpointing`` section, as for the Trainer's
-            :class:`~lightspeed.strategies.ZeroStrategy` (``"auto"`` resolved the same way).
-        synchronize_checkpoint_boundary: DeepSpeed's ``activation_checkpointing`` section, as for the Trainer's
-            :class:`~lightspeed.strategies.ZeroStrategy` (``"auto"`` resolved the same way).
-        profile: DeepSpeed's ``activation_checkpointing`` section, as for the Trainer's
-            :class:`~lightspeed.strategies.ZeroStrategy` (``"auto"`` resolved the same way).
-        bf16_master_weights_and_grads: keep the master weights and their gradients in bf16 instead of fp32
-            (DeepSpeed's low-memory states; needs precision="bf16-mixed" or "bf16-true"): 4 bytes less per trained
-            parameter, at a cost in accuracy measured in ``bench/low_memory_states.py``.
-        bf16_optimizer_states: also keep the optimizer moments in bf16 (needs ``bf16_master_weights_and_grads``):
-            another 4 bytes less per trained parameter with Adam.
-        config: DeepSpeed config dict or JSON path merged over the preset (its values win); unknown keys and values
-            that contradict Fabric's settings are errors.
-        accelerator: Fabric's accelerator (set by Fabric from ``Fabric(accelerator=...)``).
-        parallel_devices: the devices of this node (set by Fabric from ``Fabric(devices=...)``).
-        cluster_environment: Lightning's cluster environment (torchrun, SLURM, ...; set by Fabric).
-        precision: Fabric's precision plugin (set by Fabric from ``Fabric(precision=...)``).
-        process_group_backend: ``"nccl"`` or ``"gloo"``; ``None``: ``"nccl"`` on CUDA, ``"gloo"`` on the CPU.
-        timeout: how long a collective may wait for the other ranks before a ``CollectiveTimeoutError`` names the
-            collective and the rank that stopped answering.
-        logging_level: the level of DeepSpeed's logger.
-        exclude_frozen_parameters: leave parameters with ``requires_grad=False`` out of checkpoints. ``"auto"``
-            (default): when the model holds a PEFT model (``peft.get_peft_model``), whose frozen base comes back from
-            the pretrained files; the save records a fingerprint of them, and resuming with other frozen weights is an
-            error.
-        load_full_weights: ``fabric.load`` reads a single consolidated weights file under ZeRO-3.
-        node_local_storage: for clusters whose nodes share no filesystem: each node writes its own ranks' shards (and
-            the files every node needs) into its own local checkpoint directory (as the Trainer's).
-        compile: compile the model with DeepSpeed's ``engine.compile()`` at ``fabric.setup``. A model compiled with
-            ``torch.compile`` before ``fabric.setup`` is compiled the same way, with its ``torch.compile``
-            arguments, instead of Fabric compiling the whole engine.
-        compile_kwargs: ``torch.compile`` arguments for ``engine.compile()``; given alone, it asks for compilation
-            too.
-        leaf_modules: the modules ZeRO-3 gathers whole when they are called, marked at ``fabric.setup`` before the
-            engine is built: ``"auto"``, the model's mixture-of-experts blocks (ranks whose tokens reach different
-            experts stay in step), else module classes, class names or ends of module names, or ``None``; as for the
-            Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
-        sequence_parallel_size: split every sequence over groups of this many ranks, as for the Trainer's
-            :class:`~lightspeed.strategies.ZeroStrategy`: the loaders of ``fabric.setup_dataloaders`` yield each
-            rank's slice, and the loop calls ``model(**batch)`` with it. 1 (default): off.
-        tiled_mlp: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
-        tiled_logits_loss: as for the Trainer's :class:`~lightspeed.strategies.ZeroStrategy`.
-        unused_parameters: what a step does to the parameters no rank used in it, as for the Trainer's
-            :class:`~lightspeed.strategies.ZeroStrategy`: ``"skip"`` (default, as one process) or ``"zero_gradient"``.
-        **unsupported: none is taken: a keyword the Fabric strategy does not take (e.g. ``sync_with_dataloader``,
+        **arguments: :class:`~lightspeed.fabric.zero_keywords.FabricZeroKeywords`, each with its default when left
+            out: the ZeRO arguments of every front end, as for the Trainer's
+            :class:`~lightspeed.strategies.ZeroStrategy` (:class:`~lightspeed.core.zero.config.arguments.ZeroKeywords`:
+            ``stage``, ``offload_optimizer``, ``offload_parameters``, ``nvme_path``, ``config``, bucket sizes,
+            activation checkpointing, low-memory states, ``leaf_modules``, checkpoint options, ``compile``, sequence
+            parallelism and tiling, ``unused_parameters``, ``timeout``, ...; applied at ``fabric.setup``, where the
+            loaders of ``fabric.setup_dataloaders`` yield each rank's sequence slice) and ``precision``, set by
+            Fabric. A keyword the Fabric strategy does not take (e.g. ``sync_with_dataloader``,
             ``offload_params_device``) is a ``TypeError`` saying what to use instead.
     """
 
-    def __init__(
-        self,
-        stage: int = 2,
-        offload_optimizer: str | bool | None = "none",
-        offload_parameters: str | bool | None = "none",
-        nvme_path: _PATH | None = None,
-        pin_memory: bool = True,
-        reduce_bucket_size: int | str = "auto",
-        allgather_bucket_size: int | str = "auto",
-        prefetch_bucket_size: int | str = "auto",
-        param_persistence_threshold: int | str = "auto",
-        sub_group_size: int | None = None,
-        activation_checkpointing_policy: Collection[type[Module]] | type[Module] | None = None,
-        partition_activations: bool | str = "auto",
-        cpu_checkpointing: bool | str = "auto",
-        contiguous_memory_optimization: bool | str = "auto",
-        number_checkpoints: int | None = None,
-        synchronize_checkpoint_boundary: bool = False,
-        profile: bool = False,
-        bf16_master_weights_and_grads: bool = False,
-        bf16_optimizer_states: bool = False,
-        config: _PATH | dict[str, Any] | None = None,
-        accelerator: Any | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any | None = None,
-        precision: Any | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        logging_level: int = logging.WARN,
-        exclude_frozen_parameters: bool | str = "auto",
-        load_full_weights: bool = False,
-        node_local_storage: bool = False,
-        compile: bool = False,
-        compile_kwargs: dict[str, Any] | None = None,
-        leaf_modules: Collection[type[Module] | str] | type[Module] | str | None = "auto",
-        sequence_parallel_size: int = 1,
-        tiled_mlp: bool = False,
-        tiled_logits_loss: bool | int = False,
-        unused_parameters: str = "skip",
-        **unsupported: Any,
-    ) -> None:
-        refuse_unknown_keywords(type(self).__name__, unsupported, ZeroFabricStrategy, "Fabric")
-        recipe_of_models = ModelRecipe.from_arguments(locals(), front_end="Fabric")
-        recipe = recipe_of_models.config()
-        self._init_lightning(recipe, {**locals(), "activation_checkpointing_policy": recipe_of_models.tuning.policy})
-        self._init_several_models(recipe_of_models.for_model)
+    def __init__(self, **arguments: Unpack[FabricZeroKeywords]) -> None:
+        owner = type(self).__name__
+        recipe, given = strategy_arguments(arguments, ZeroFabricStrategy, owner, "Fabric", FABRIC_DEFAULTS)
+        self._init_lightning(recipe.config(), given)
+        self._init_several_models(recipe.for_model)
 
     @property
     @override

@@ -4,35 +4,29 @@ this machine's memory (the Trainer's is :mod:`lightspeed.strategies.zero_auto`; 
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightspeed.core.zero.config import resolve_config_with_notes
-from lightspeed.core.zero.config.keywords import refuse_unknown_keywords
 from lightspeed.core.zero.engine import one_optimizer_error
-from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Plan, ZeroOption
-from lightspeed.core.zero.tuner import TrialParts, copy_module_and_optimizer, first_batches, zero_auto_requests
+from lightspeed.core.zero.planner import Plan, ZeroOption
+from lightspeed.core.zero.tuner import TrialParts, copy_module_and_optimizer, first_batches, zero_auto_arguments
 from lightspeed.fabric.config_optimizer import ConfigOptimizer
 from lightspeed.fabric.keywords import SEVERAL_MODELS
 from lightspeed.fabric.zero import ZeroFabricStrategy
+from lightspeed.fabric.zero_keywords import FABRIC_DEFAULTS, FabricZeroAutoKeywords
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
 __all__ = ["ZeroAutoFabricStrategy"]
-
-#: ZeroFabricStrategy's arguments that zero_auto decides itself (the tuning knobs are taken by its request)
-_DECIDED_HERE = frozenset({"stage", "offload_optimizer", "offload_parameters", "nvme_path", "config"})
 
 
 class ZeroAutoFabricStrategy(ZeroFabricStrategy):
@@ -44,70 +38,26 @@ class ZeroAutoFabricStrategy(ZeroFabricStrategy):
     ``tune=True`` (measure the options that fit at ``fabric.setup``) also needs what the Trainer knows from its loop:
 
     Args:
-        safety_margin: as for the Trainer's :class:`~lightspeed.strategies.ZeroAutoStrategy`.
-        device_memory: as for the Trainer's.
-        host_memory: as for the Trainer's.
-        nvme_path: as for the Trainer's.
-        optimizer_state_bytes: as for the Trainer's.
-        config: as for the Trainer's.
-        tune: as for the Trainer's, measured at ``fabric.setup``; needs ``tune_batches`` and ``tune_loss``.
-        tune_steps: as for the Trainer's.
-        tune_options: as for the Trainer's.
-        tune_buckets: as for the Trainer's.
-        tune_cache: as for the Trainer's.
-        retune: as for the Trainer's.
-        tune_batches: this rank's training micro-batches (e.g. the ``DataLoader`` of the loop, before
-            ``fabric.setup_dataloaders``); the first few are used, moved to the device.
-        tune_loss: ``(model, batch) -> loss`` for one micro-batch, as the loop computes it.
-        tune_micro_batches: micro-batch sizes to measure as well (``tune_batches`` must be a DataLoader built with
-            ``batch_size=``; each size with the accumulation that keeps ``batch_size x`` the config's
-            ``gradient_accumulation_steps``). Fabric's loop owns its DataLoader and accumulation, so the fastest size
-            is reported (logged, and as ``tuned_micro_batch`` / ``tuned_accumulation``) for the loop to use; the run
-            itself keeps its batches, with the winner's ZeRO option.
-        **kwargs: the other :class:`ZeroFabricStrategy` arguments, as there: ``pin_memory``, ``reduce_bucket_size``,
-            ``allgather_bucket_size``, ``prefetch_bucket_size``, ``param_persistence_threshold``, ``sub_group_size``;
-            activation checkpointing: ``activation_checkpointing_policy``, ``partition_activations``,
-            ``cpu_checkpointing``, ``contiguous_memory_optimization``, ``number_checkpoints``,
-            ``synchronize_checkpoint_boundary``, ``profile``; low-memory states: ``bf16_master_weights_and_grads``,
-            ``bf16_optimizer_states`` (counted by the plan); ``leaf_modules``, ``exclude_frozen_parameters``,
-            ``load_full_weights``, ``node_local_storage``, ``compile``, ``compile_kwargs``, ``sequence_parallel_size``
-            (not with ``tune=True``), ``tiled_mlp``, ``tiled_logits_loss``, ``unused_parameters``, ``timeout``,
-            ``logging_level``, ``process_group_backend``; and the ones Fabric sets: ``accelerator``,
-            ``parallel_devices``, ``cluster_environment``, ``precision``.
-            ``stage``, ``offload_optimizer`` and ``offload_parameters`` are chosen here: passing one is an error.
+        **arguments: :class:`~lightspeed.fabric.zero_keywords.FabricZeroAutoKeywords`, each with its default when
+            left out: as for the Trainer's :class:`~lightspeed.strategies.ZeroAutoStrategy` (the memory plan's and
+            the tuner's, and the other :class:`ZeroFabricStrategy` arguments; ``tune=True`` measures at
+            ``fabric.setup``), and what tuning needs from the loop: ``tune_batches`` and ``tune_loss``. ``stage``,
+            ``offload_optimizer`` and ``offload_parameters`` are chosen here: passing one is an error.
     """
 
-    def __init__(
-        self,
-        safety_margin: float = DEFAULT_SAFETY_MARGIN,
-        device_memory: int | str | None = None,
-        host_memory: int | str | None = None,
-        nvme_path: str | None = None,
-        optimizer_state_bytes: int = 8,
-        config: str | os.PathLike | dict[str, Any] | None = None,
-        tune: bool = False,
-        tune_steps: int = 3,
-        tune_options: Sequence[str] | None = None,
-        tune_buckets: bool = False,
-        tune_cache: str | os.PathLike | None = None,
-        retune: bool = False,
-        tune_batches: Iterable[Any] | None = None,
-        tune_loss: Callable[[Module, Any], torch.Tensor] | None = None,
-        tune_micro_batches: Sequence[int] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if tune and (tune_batches is None or tune_loss is None):
+    def __init__(self, **arguments: Unpack[FabricZeroAutoKeywords]) -> None:
+        self._tune_batches, self._tune_loss = arguments.pop("tune_batches", None), arguments.pop("tune_loss", None)
+        owner = type(self).__name__
+        self.request, self.tune_request, given = zero_auto_arguments(
+            arguments, ZeroAutoFabricStrategy, owner, "Fabric", FABRIC_DEFAULTS
+        )
+        if self.tune_request.tune and (self._tune_batches is None or self._tune_loss is None):
             raise TypeError(
                 "ZeroAutoFabricStrategy(tune=True) measures training steps, but Fabric's strategy does not see the "
                 "loop: pass tune_batches= (this rank's training DataLoader) and tune_loss= (a function (model, batch) "
                 "-> loss, as the loop computes it)."
             )
-        self._tune_batches, self._tune_loss = tune_batches, tune_loss
-        self.request, self.tune_request = zero_auto_requests(locals(), "Fabric")
-        refuse_unknown_keywords(type(self).__name__, kwargs, ZeroFabricStrategy, "Fabric", decided=_DECIDED_HERE)
-        self._init_lightning(
-            self.request.user_config, {**kwargs, "activation_checkpointing_policy": self.request.tuning.policy}
-        )
+        self._init_lightning(self.request.user_config, given)
         self.memory_plan: Plan | None = None
         self.chosen_option: ZeroOption | None = None
         #: the fastest micro-batch size and its accumulation, when ``tune_micro_batches`` found one faster than the

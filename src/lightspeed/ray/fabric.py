@@ -11,13 +11,12 @@ directories into one complete checkpoint, which ``fabric.load`` reads back after
 
 from __future__ import annotations
 
-from typing import Any
-
 import ray.train.torch
 from ray.train.lightning import RayLightningEnvironment
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightspeed.fabric.zero import ZeroFabricStrategy
+from lightspeed.fabric.zero_keywords import FabricZeroKeywords
 from lightspeed.ray.worker import refuse_node_local_storage, require_ray_worker
 
 __all__ = ["RayZeroFabricStrategy"]
@@ -28,7 +27,7 @@ class RayZeroFabricStrategy(ZeroFabricStrategy):
     :class:`~lightspeed.fabric.ZeroFabricStrategy` argument except ``node_local_storage``, ``cluster_environment``
     and ``parallel_devices`` (Ray's)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Unpack[FabricZeroKeywords]) -> None:
         name = type(self).__name__
         refuse_node_local_storage(name, kwargs)
         for taken in ("cluster_environment", "parallel_devices"):
@@ -38,7 +37,7 @@ class RayZeroFabricStrategy(ZeroFabricStrategy):
         local_world_size = context.get_local_world_size()
         kwargs["cluster_environment"] = RayLightningEnvironment()
         kwargs["parallel_devices"] = [ray.train.torch.get_device()] * local_world_size
-        super().__init__(*args, **kwargs)
+        super().__init__(**kwargs)
         self._ray_nodes = context.get_world_size() // local_world_size
         self._session.own_checkpoint_paths = True
 

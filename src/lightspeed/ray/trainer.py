@@ -13,12 +13,12 @@ well (Ray's device and sampler placement, beneath lightspeed's own). What change
 
 from __future__ import annotations
 
-from typing import Any
-
 from ray.train.lightning import RayDeepSpeedStrategy
+from typing_extensions import Unpack
 
 from lightspeed.ray.worker import refuse_node_local_storage, require_ray_worker
 from lightspeed.strategies.zero import ZeroStrategy
+from lightspeed.strategies.zero_keywords import TrainerZeroKeywords
 
 __all__ = ["RayZeroStrategy"]
 
@@ -31,8 +31,8 @@ class RayZeroStrategy(ZeroStrategy, RayDeepSpeedStrategy):  # type: ignore[misc]
     Build it in the training function, with Ray's ``RayLightningEnvironment`` and ``RayTrainReportCallback``, and pass
     the Trainer through ``ray.train.lightning.prepare_trainer``."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Unpack[TrainerZeroKeywords]) -> None:
         refuse_node_local_storage(type(self).__name__, kwargs)
         require_ray_worker(type(self).__name__)
-        super().__init__(*args, **kwargs)
+        super().__init__(**kwargs)
         self._session.own_checkpoint_paths = True

@@ -15,8 +15,7 @@ DataLoader (``process_dataloader``) and sets the Trainer's ``accumulate_grad_bat
 
 from __future__ import annotations
 
-import os
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -30,15 +29,15 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightspeed.core.zero.config import resolve_config_with_notes
-from lightspeed.core.zero.config.keywords import refuse_unknown_keywords
-from lightspeed.core.zero.planner import DEFAULT_SAFETY_MARGIN, Plan, ZeroOption
-from lightspeed.core.zero.tuner import TrialParts, first_batches, zero_auto_requests
+from lightspeed.core.zero.planner import Plan, ZeroOption
+from lightspeed.core.zero.tuner import TrialParts, first_batches, zero_auto_arguments
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies._tuning import copy_lightning_module, training_loss
 from lightspeed.strategies.zero import ZeroStrategy
+from lightspeed.strategies.zero_keywords import TRAINER_DEFAULTS, TrainerZeroAutoKeywords
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -50,67 +49,24 @@ class ZeroAutoStrategy(ZeroStrategy):
     """ZeRO with the stage and offload chosen from the model size and the memory of this machine.
 
     Args:
-        safety_margin: fraction of every memory budget kept free for activations, buffers and fragmentation.
-        device_memory: memory per device to plan with (bytes or a size like ``"24GB"``) instead of the free memory
-            measured on the GPUs; on the CPU the processes share host memory, so leave it unset.
-        host_memory: host memory per node to plan with instead of what is available now.
-        nvme_path: allows NVMe offload (as the last resort) into this directory; default ``$LIGHTSPEED_NVME_PATH``.
-        optimizer_state_bytes: optimizer state per parameter (8: Adam/AdamW; 4: SGD with momentum).
-        config: a DeepSpeed config merged over the chosen preset; it must not set the stage or offload targets.
-        tune: measure the options that fit (``tune_steps`` steps each after one warm-up step, on copies of the model
-            and optimizer and the run's first batches, in this run's processes) and choose the fastest; logs a table
-            of samples/s and peak memory. The run afterwards equals an untuned run with the chosen config bit for
-            bit. ``fit`` only; the copies need room for a second copy of the model while they run.
-        tune_steps: measured optimizer steps per candidate (each of ``accumulate_grad_batches`` micro-batches).
-        tune_options: the option names to try (e.g. ``["zero2", "zero3"]``); default: every option that fits.
-        tune_buckets: also try DeepSpeed's own bucket sizes for each option.
-        tune_micro_batches: micro-batch sizes the tuner may also try (e.g. ``[4, 8, 16]``), each with the
-            ``accumulate_grad_batches`` that keeps the samples per optimizer step (so it must divide ``batch_size x
-            accumulate_grad_batches``). A size that wins re-batches the training DataLoader (it must be built with
-            ``batch_size=``) and sets ``trainer.accumulate_grad_batches``; the run then equals an untuned run with that
-            batch size and accumulation. The DeepSpeed config must leave the batch sizes ``"auto"``.
-        tune_cache: the JSON file of decisions (default ``~/.cache/lightspeed/zero_tune.json``); a decision is reused
-            only for the same model shapes, world size, precision, micro-batch size, hardware and candidates.
-        retune: measure even when the cache holds a decision.
-        **kwargs: the other :class:`ZeroStrategy` arguments, as there: ``pin_memory``, ``reduce_bucket_size``,
-            ``allgather_bucket_size``, ``prefetch_bucket_size``, ``param_persistence_threshold``, ``sub_group_size``
-            (applied to whichever stage is chosen, where that stage has them); activation checkpointing:
-            ``activation_checkpointing_policy``, ``partition_activations``, ``cpu_checkpointing``,
-            ``contiguous_memory_optimization``, ``number_checkpoints``, ``synchronize_checkpoint_boundary``,
-            ``profile``; low-memory states: ``bf16_master_weights_and_grads``, ``bf16_optimizer_states`` (counted by
-            the plan); ``leaf_modules`` (marked when ZeRO-3 is chosen); ``exclude_frozen_parameters``,
-            ``load_full_weights``, ``sync_with_dataloader``, ``node_local_storage``, ``start_method``, ``compile``,
-            ``compile_kwargs``, ``models``, ``sequence_parallel_size`` (not with ``tune=True``), ``tiled_mlp``,
-            ``tiled_logits_loss``, ``unused_parameters``, ``timeout``, ``logging_level``, ``process_group_backend``;
-            and the ones the Trainer sets: ``accelerator``, ``parallel_devices``, ``cluster_environment``,
-            ``precision_plugin``.
-            ``stage``, ``offload_optimizer`` and ``offload_parameters`` are chosen here: passing one is an error.
+        **arguments: :class:`~lightspeed.strategies.zero_keywords.TrainerZeroAutoKeywords`, each with its default
+            when left out: the memory plan's and the tuner's (``safety_margin``, ``device_memory``, ``host_memory``,
+            ``nvme_path``, ``optimizer_state_bytes``, ``config``, ``tune``, ``tune_steps``, ``tune_options``,
+            ``tune_buckets``, ``tune_micro_batches``, ``tune_cache``, ``retune``) and the other :class:`ZeroStrategy`
+            arguments, as there (bucket sizes, applied to whichever stage is chosen where that stage has them;
+            activation checkpointing; low-memory states, counted by the plan; ``leaf_modules``, marked when ZeRO-3
+            is chosen; ``sequence_parallel_size``, not with ``tune=True``; ...). ``stage``, ``offload_optimizer``
+            and ``offload_parameters`` are chosen here: passing one is an error.
     """
 
     strategy_name = "zero_auto"
 
-    def __init__(
-        self,
-        safety_margin: float = DEFAULT_SAFETY_MARGIN,
-        device_memory: int | str | None = None,
-        host_memory: int | str | None = None,
-        nvme_path: str | None = None,
-        optimizer_state_bytes: int = 8,
-        config: str | os.PathLike | dict[str, Any] | None = None,
-        tune: bool = False,
-        tune_steps: int = 3,
-        tune_options: Sequence[str] | None = None,
-        tune_buckets: bool = False,
-        tune_cache: str | os.PathLike | None = None,
-        retune: bool = False,
-        tune_micro_batches: Sequence[int] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self.request, self.tune_request = zero_auto_requests(locals(), "Trainer")
-        refuse_unknown_keywords(type(self).__name__, kwargs, ZeroStrategy, "Trainer")
-        self._init_lightning(
-            self.request.user_config, {**kwargs, "activation_checkpointing_policy": self.request.tuning.policy}
+    def __init__(self, **arguments: Unpack[TrainerZeroAutoKeywords]) -> None:
+        owner = type(self).__name__
+        self.request, self.tune_request, given = zero_auto_arguments(
+            arguments, ZeroAutoStrategy, owner, "Trainer", TRAINER_DEFAULTS
         )
+        self._init_lightning(self.request.user_config, given)
         self.memory_plan: Plan | None = None
         self.chosen_option: ZeroOption | None = None
         #: the micro-batch size the tuner chose when it differs from the DataLoader's (``tune_micro_batches``)

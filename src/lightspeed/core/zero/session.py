@@ -35,7 +35,6 @@ from lightspeed.core.zero.compile import (
     prepare_zero3_for_compile,
 )
 from lightspeed.core.zero.config import (
-    AUTO,
     TrainingFacts,
     describe_config,
     resolve_config_with_notes,
@@ -128,24 +127,24 @@ class ZeroSession:
         front_end: str,
         info: Callable[[str], None],
     ) -> ZeroSession:
-        """The session of a front end built with ``arguments`` (its constructor's, by name; left out: the defaults):
-        ``compile``, ``compile_kwargs``, ``activation_checkpointing_policy`` (already parsed), ``leaf_modules`` (checked
-        here: a bad one fails when the strategy is created), ``node_local_storage``,
-        ``exclude_frozen_parameters``, ``sequence_parallel_size``, ``tiled_mlp``, ``tiled_logits_loss`` and
-        ``unused_parameters`` (checked here). ``owner`` names the strategy class in messages."""
+        """The session of a front end built with ``arguments`` (every one of
+        :class:`~lightspeed.core.zero.config.arguments.ZeroRunKeywords` by name, from
+        :func:`~lightspeed.core.zero.config.arguments.zero_arguments`; the activation-checkpointing policy already
+        parsed). ``leaf_modules`` and ``unused_parameters`` are checked here, so a bad one fails when the strategy is
+        created; ``owner`` names the strategy class in messages."""
         return cls(
             config,
-            compile=compile_request(arguments.get("compile", False), arguments.get("compile_kwargs"), owner),
-            activation_checkpointing_policy=arguments.get("activation_checkpointing_policy"),
-            node_local_storage=arguments.get("node_local_storage", False),
-            exclude_frozen_parameters=arguments.get("exclude_frozen_parameters", "auto"),
+            compile=compile_request(arguments["compile"], arguments["compile_kwargs"], owner),
+            activation_checkpointing_policy=arguments["activation_checkpointing_policy"],
+            node_local_storage=arguments["node_local_storage"],
+            exclude_frozen_parameters=arguments["exclude_frozen_parameters"],
             front_end=front_end,
             info=info,
-            leaf_modules=LeafModules.of(arguments.get("leaf_modules", AUTO)),
-            sequence_parallel_size=arguments.get("sequence_parallel_size", 1),
-            tiled_mlp=arguments.get("tiled_mlp", False),
-            tiled_logits_loss=arguments.get("tiled_logits_loss", False),
-            unused_parameters=check_unused_parameters_mode(arguments.get("unused_parameters", "skip"), owner),
+            leaf_modules=LeafModules.of(arguments["leaf_modules"]),
+            sequence_parallel_size=arguments["sequence_parallel_size"],
+            tiled_mlp=arguments["tiled_mlp"],
+            tiled_logits_loss=arguments["tiled_logits_loss"],
+            unused_parameters=check_unused_parameters_mode(arguments["unused_parameters"], owner),
         )
 
     @property

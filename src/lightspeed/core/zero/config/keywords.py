@@ -5,10 +5,18 @@ own ``DeepSpeedStrategy`` (users migrating) or from the other front end's strate
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, get_args, get_origin
 
-__all__ = ["named_arguments", "refuse_unknown_keywords", "unknown_keywords_error"]
+from typing_extensions import Unpack
+
+__all__ = [
+    "named_arguments",
+    "refuse_unknown_keywords",
+    "unknown_keywords_error",
+    "unpacked_keywords",
+    "unpacked_typed_dict",
+]
 
 _CONFIG_HINT = "write it into the DeepSpeed config instead: {cls}(config={{...}})"
 #: Lightning DeepSpeedStrategy keywords that neither front end takes, with what to do instead
@@ -97,9 +105,30 @@ def refuse_unknown_keywords(
 
 
 def named_arguments(cls: type) -> list[str]:
-    """The keyword arguments ``cls(...)`` declares by name, in order (from its signature: never a hand-kept list)."""
-    return [
-        name
-        for name, parameter in inspect.signature(cls).parameters.items()
-        if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    ]
+    """The keyword arguments ``cls(...)`` declares by name, in order, those of a ``**arguments: Unpack[SomeTypedDict]``
+    too (from its signature: never a hand-kept list)."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names: list[str] = []
+    for name, parameter in inspect.signature(cls).parameters.items():
+        if parameter.kind in named:
+            names.append(name)
+        elif parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            names += unpacked_keywords(cls.__init__, name)  # type: ignore[misc]
+    return names
+
+
+def unpacked_keywords(function: Callable[..., Any], name: str) -> list[str]:
+    """The keys of the typed dict that ``function``'s ``**name`` is annotated to unpack (PEP 692); none otherwise."""
+    typed_dict = unpacked_typed_dict(function, name)
+    return [] if typed_dict is None else list(typed_dict.__annotations__)
+
+
+def unpacked_typed_dict(function: Callable[..., Any], name: str) -> type | None:
+    """The typed dict of ``function``'s ``**name: Unpack[...]`` (PEP 692), else None."""
+    annotation = function.__annotations__.get(name)
+    if isinstance(annotation, str):  # postponed (``from __future__ import annotations``): the one name to evaluate
+        annotation = eval(annotation, function.__globals__)  # noqa: S307  # a module's own annotation, not input
+    if get_origin(annotation) is not Unpack:
+        return None
+    typed_dict: type = get_args(annotation)[0]
+    return typed_dict

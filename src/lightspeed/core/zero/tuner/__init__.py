@@ -5,7 +5,13 @@ in the run's own processes, pick the fastest, and remember the decision (:mod:`.
 from lightspeed.core.zero.tuner.batches import first_batches, rebatched
 from lightspeed.core.zero.tuner.cache import DEFAULT_CACHE_PATH
 from lightspeed.core.zero.tuner.copies import copy_module_and_optimizer
-from lightspeed.core.zero.tuner.decision import TrialParts, TuneRequest, micro_batch_choices, zero_auto_requests
+from lightspeed.core.zero.tuner.decision import (
+    TrialParts,
+    TuneRequest,
+    micro_batch_choices,
+    zero_auto_arguments,
+    zero_auto_requests,
+)
 
 # what the front ends, the CLI and the tests take from the package; the rest is imported from its module
 __all__ = [
@@ -16,5 +22,6 @@ __all__ = [
     "first_batches",
     "micro_batch_choices",
     "rebatched",
+    "zero_auto_arguments",
     "zero_auto_requests",
 ]

@@ -18,8 +18,11 @@ import torch
 from lightspeed.core.common.distributed import global_rank, is_distributed
 from lightspeed.core.common.process import ProcessPlace
 from lightspeed.core.errors import DeepSpeedConfigError, MemoryPlanError
+from lightspeed.core.zero.auto_arguments import split_zero_auto_arguments
 from lightspeed.core.zero.auto_choice import ZeroAutoRequest
 from lightspeed.core.zero.config import AUTO
+from lightspeed.core.zero.config.arguments import ZeroRunKeywords, zero_arguments
+from lightspeed.core.zero.config.keywords import refuse_unknown_keywords
 from lightspeed.core.zero.planner import ZERO_OPTIONS, Plan
 from lightspeed.core.zero.tuner.cache import CachedDecision, TuningCache, TuningKey
 from lightspeed.core.zero.tuner.trials import (
@@ -325,10 +328,11 @@ class TrialParts:
         return self.process.world_size
 
 
-def zero_auto_requests(arguments: Mapping[str, Any], front_end: str) -> tuple[ZeroAutoRequest, TuneRequest]:
-    """``zero_auto``'s planner and tuner requests from a front end's constructor arguments (its ``locals()``: the
-    planner's and the tuner's keywords, ``config``, and ``kwargs``, the rest, which loses the tuning knobs), checked
-    the same for every front end."""
+def zero_auto_requests(given: Mapping[str, Any], front_end: str) -> tuple[ZeroAutoRequest, TuneRequest]:
+    """``zero_auto``'s planner and tuner requests from the keyword arguments a front end was ``given``
+    (:class:`~lightspeed.core.zero.auto_arguments.ZeroAutoKeywords` and the ZeRO strategy's, whose tuning knobs the
+    planner takes too), checked the same for every front end."""
+    arguments, rest = split_zero_auto_arguments(given)
     tune_request = TuneRequest.checked(
         arguments["tune"],
         arguments["tune_steps"],
@@ -345,13 +349,26 @@ def zero_auto_requests(arguments: Mapping[str, Any], front_end: str) -> tuple[Ze
         nvme_path=arguments["nvme_path"],
         optimizer_state_bytes=arguments["optimizer_state_bytes"],
         config=arguments["config"],
-        kwargs=arguments["kwargs"],
+        kwargs=rest,
         front_end=front_end,
     )
     tune_request.check_config(request.user_config)
-    if tune_request.tune and arguments["kwargs"].get("sequence_parallel_size", 1) != 1:
+    if tune_request.tune and rest.get("sequence_parallel_size", 1) != 1:
         raise DeepSpeedConfigError(
             "zero_auto's tune=True measures training steps on whole batches, which sequence_parallel_size > 1 "
             "splits: leave tune off (the planner still chooses the ZeRO option), or tune without sequence parallelism."
         )
     return request, tune_request
+
+
+def zero_auto_arguments(
+    given: Mapping[str, Any], strategy: type, owner: str, front_end: str, front_end_defaults: Mapping[str, Any]
+) -> tuple[ZeroAutoRequest, TuneRequest, dict[str, Any]]:
+    """What a ``zero_auto`` front end's ``__init__`` builds from the keyword arguments it was ``given``: the planner's
+    and the tuner's requests, and every ZeRO argument by name but those ``zero_auto`` chooses (defaults filled in, the
+    activation-checkpointing policy parsed). A keyword ``strategy`` does not take is a ``TypeError`` naming
+    ``owner``."""
+    request, tune_request = zero_auto_requests(given, front_end)
+    refuse_unknown_keywords(owner, given, strategy, front_end)
+    arguments = zero_arguments(given, ZeroRunKeywords, front_end_defaults)
+    return request, tune_request, {**arguments, "activation_checkpointing_policy": request.tuning.policy}
