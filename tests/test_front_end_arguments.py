@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,27 @@ def test_lightning_cli_trains_with_a_zero_strategy(tmp_path: Path, arguments: li
     record = json.loads(out.read_text())
     assert (record["stage"], record["offload_optimizer"]) == expected
     assert record["strategy"] == "ZeroStrategy" and record["world_size"] == 2 and record["global_step"] == 3
+
+
+def test_a_type_checker_catches_a_misspelt_or_mistyped_zero_argument(tmp_path: Path) -> None:
+    """The typed dicts reach users' type checkers (lightspeed ships ``py.typed``): mypy, as a user runs it on their
+    script, names the misspelt keyword under the Trainer and the mistyped one under Fabric, and accepts the rest."""
+    script = tmp_path / "user_script.py"
+    script.write_text(
+        "from lightspeed.fabric import ZeroFabricStrategy\n"
+        "from lightspeed.strategies import ZeroStrategy\n"
+        "ZeroStrategy(stage=3, offload_optimzer='cpu')\n"
+        "ZeroFabricStrategy(stage='three')\n"
+        "ZeroStrategy(stage=3, offload_optimizer='cpu', sync_with_dataloader=False, reduce_bucket_size=1000)\n"
+        "ZeroFabricStrategy(stage=3, precision=None, tiled_logits_loss=1024)\n"
+    )
+    # lightspeed's own modules are read, what they import (torch, Lightning, DeepSpeed) is not: seconds, not minutes
+    (tmp_path / "mypy.ini").write_text(
+        "[mypy]\nignore_missing_imports = True\nfollow_imports = skip\n[mypy-lightspeed.*]\nfollow_imports = silent\n"
+    )
+    command = [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", script.name]
+    found = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    errors = [line for line in found.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 2, found.stdout
+    assert 'user_script.py:3: error: Unexpected keyword argument "offload_optimzer" for "ZeroStrategy"' in errors[0]
+    assert 'user_script.py:4: error: Argument "stage" to "ZeroFabricStrategy" has incompatible type "str"' in errors[1]

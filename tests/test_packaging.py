@@ -29,6 +29,7 @@ def test_a_built_wheel_installs_and_runs_without_the_sources(tmp_path: Path) -> 
     install = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", tmp_path / "site", wheel]
     subprocess.run(install, check=True, capture_output=True, text=True, timeout=300)
     assert (tmp_path / "site" / "bin" / "lightspeed").is_file()  # the console script
+    assert (tmp_path / "site" / "lightspeed" / "py.typed").is_file()  # PEP 561: type checkers read lightspeed's types
 
     # -S: no .pth files, so the editable install's path to src/ is not there; the other packages come from this venv
     env = {"PYTHONPATH": f"{tmp_path / 'site'}:{sysconfig.get_paths()['purelib']}", "PATH": "/usr/bin:/bin"}

@@ -37,18 +37,9 @@ __all__ = [
 
 #: names once public here, still reachable with a FutureWarning: old name -> (new spelling, object)
 _MOVED = {
-    "AccumulationStep": (
-        "lightspeed.fabric.exact_accumulation.AccumulationStep",
-        _exact_accumulation.AccumulationStep,
-    ),
-    "register_fabric_strategies": (
-        "lightspeed.fabric.registration.register_fabric_strategies (`import lightspeed` already calls it; "
-        "lightspeed.registry.register_all() registers everything again)",
-        _registration.register_fabric_strategies,
-    ),
+    "AccumulationStep": ("lightspeed.fabric.exact_accumulation.AccumulationStep", _exact_accumulation.AccumulationStep),
+    "register_fabric_strategies": _deprecation.moved_registration(_registration.register_fabric_strategies),
 }
 
 if not TYPE_CHECKING:  # type checkers report the old names as missing; at run time they still work
-
-    def __getattr__(name: str) -> object:
-        return _deprecation.moved_attribute(__name__, name, _MOVED)
+    __getattr__ = _deprecation.module_getattr(__name__, _MOVED)

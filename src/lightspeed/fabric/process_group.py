@@ -33,21 +33,15 @@ class ProcessGroupMixin(DDPStrategyBase):
 
     _optimizer_steps = 0
 
-    def _set_main_address(self) -> None:
-        """``MASTER_ADDR``/``MASTER_PORT`` before the group is created."""
-        assert self.cluster_environment is not None
-        _process_group.set_main_address(self.cluster_environment.main_address, self.cluster_environment.main_port)
+    #: also set ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` before the group is created (DeepSpeed reads them)
+    _rank_variables = False
 
     @contextmanager
     def _lightspeed_process_group(self) -> Iterator[None]:
         """Around Fabric's (or DeepSpeed's) process set-up: lightspeed's group is created first and adopted."""
         self._set_world_ranks()
         with _process_group.lightspeed_process_group(
-            self._get_process_group_backend(),
-            self.global_rank,
-            self.world_size,
-            self._timeout,
-            before_creating=self._set_main_address,
+            self, self._get_process_group_backend(), self._timeout, rank_variables=self._rank_variables
         ):
             yield
         _process_group.set_position(lambda: f"step {self._optimizer_steps}")  # published with the heartbeat

@@ -48,12 +48,6 @@ class SequenceParallelMixin(DeepSpeedStrategyBase):
 
     _session: ZeroSession
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        groups = self._session.sequence_parallel.sampler_kwargs(self.world_size, self.global_rank)
-        return super().distributed_sampler_kwargs if groups is None else groups
-
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)
@@ -65,3 +59,9 @@ class SequenceParallelMixin(DeepSpeedStrategyBase):
     def backward(self, tensor: Any, module: Any, *args: Any, **kwargs: Any) -> None:
         tensor = self._session.scale_loss(tensor)
         super().backward(tensor, module, *args, **kwargs)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        own = self._session.sequence_parallel.sampler_kwargs(self.world_size, self.global_rank)
+        return own or super().distributed_sampler_kwargs

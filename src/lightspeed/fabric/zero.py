@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning.fabric.plugins import Precision
-from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.fabric.strategies import DeepSpeedStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.seed import reset_seed
 from torch.nn import Module
@@ -97,6 +97,8 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
             ``offload_params_device``) is a ``TypeError`` saying what to use instead.
     """
 
+    _rank_variables = True  # DeepSpeed reads RANK, WORLD_SIZE and LOCAL_RANK
+
     def __init__(self, **arguments: Unpack[FabricZeroKeywords]) -> None:
         owner = type(self).__name__
         recipe, given = strategy_arguments(arguments, ZeroFabricStrategy, owner, "Fabric", FABRIC_DEFAULTS)
@@ -147,27 +149,13 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
     # ------------------------------------------------------------------ process setup
     @override
     def setup_environment(self) -> None:
-        kind = self._device_kind()
-        self._session.start_process(kind, self)
-        if kind == "cuda":
-            super().setup_environment()  # Lightning's CUDA check, device selection and process group
-            return
-        DDPStrategy.setup_environment(self)  # device set-up, then our _setup_distributed
+        # Lightning's DeepSpeed set-up refuses the CPU: the device, then the session's steps for CUDA and the CPU
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.root_device)
+        steps = (reset_seed, self._set_world_ranks, self._init_deepspeed_distributed, self._init_config_if_needed)
+        self._session.start_process(self._device_kind(), self, self._lightspeed_process_group(), *steps)
 
-    @override
-    def _set_main_address(self) -> None:
-        self._set_node_environment_variables()  # DeepSpeed's rank variables too
-
-    @override
-    def _setup_distributed(self) -> None:
-        if self._device_kind() == "cuda":
-            super()._setup_distributed()  # lightspeed's group (ProcessGroupMixin), then Lightning's CUDA set-up
-            return
-        # CPU devices carry no index, so Lightning's CUDA index check does not apply; DeepSpeed adopts the group.
-        with self._lightspeed_process_group():
-            reset_seed()
-            self._set_world_ranks()
-            self._init_deepspeed_distributed()
+    def _init_config_if_needed(self) -> None:
         if not self._config_initialized:
             self._format_config()
             self._config_initialized = True

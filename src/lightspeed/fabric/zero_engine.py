@@ -21,26 +21,17 @@ from lightspeed.core.zero.parameter_checks import check_partitions_kept
 from lightspeed.core.zero.schedulable import make_schedulable
 from lightspeed.fabric.config_optimizer import ConfigOptimizer
 from lightspeed.fabric.keywords import SEVERAL_MODELS
+from lightspeed.fabric.zero_base import ZeroStrategyBase
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
-    from lightspeed.core.zero.session import ZeroConfigProperties
     from lightspeed.fabric.compile_takeover import FabricCompileTakeover
-    from lightspeed.fabric.process_group import ProcessGroupMixin
-    from lightspeed.fabric.zero_checkpoints import ZeroCheckpointsMixin
-
-    class _ZeroStrategyBase(  # type: ignore[misc]  # type-checked as the strategy it is the first base of
-        ZeroConfigProperties, ProcessGroupMixin, ZeroCheckpointsMixin
-    ): ...
-
-else:
-    _ZeroStrategyBase = object
 
 __all__ = ["ZeroEngineMixin"]
 
 
-class ZeroEngineMixin(_ZeroStrategyBase):
+class ZeroEngineMixin(ZeroStrategyBase):
     """The engine construction of :class:`~lightspeed.fabric.ZeroFabricStrategy` (its first base)."""
 
     _recipe: dict[str, Any]

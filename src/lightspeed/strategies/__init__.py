@@ -21,15 +21,7 @@ __all__ = [
 ]
 
 #: names once public here, still reachable with a FutureWarning: old name -> (new spelling, object)
-_MOVED = {
-    "register_trainer_strategies": (
-        "lightspeed.strategies.registration.register_trainer_strategies (`import lightspeed` already calls it; "
-        "lightspeed.registry.register_all() registers everything again)",
-        _registration.register_trainer_strategies,
-    ),
-}
+_MOVED = {"register_trainer_strategies": _deprecation.moved_registration(_registration.register_trainer_strategies)}
 
 if not TYPE_CHECKING:  # type checkers report the old names as missing; at run time they still work
-
-    def __getattr__(name: str) -> object:
-        return _deprecation.moved_attribute(__name__, name, _MOVED)
+    __getattr__ = _deprecation.module_getattr(__name__, _MOVED)

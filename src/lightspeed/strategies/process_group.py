@@ -34,22 +34,16 @@ log = logging.getLogger(__name__)
 class ProcessGroupMixin(ParallelStrategyBase):
     """lightspeed's process group under a Lightning ``DDPStrategy`` or ``DeepSpeedStrategy``; mix in first."""
 
-    def _set_main_address(self) -> None:
-        """``MASTER_ADDR``/``MASTER_PORT`` (and for DeepSpeed the rank variables) before the group is created."""
-        assert self.cluster_environment is not None
-        _process_group.set_main_address(self.cluster_environment.main_address, self.cluster_environment.main_port)
+    #: also set ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` before the group is created (DeepSpeed reads them)
+    _rank_variables = False
 
     @contextmanager
     def _lightspeed_process_group(self) -> Iterator[None]:
         """Around Lightning's (or DeepSpeed's) process set-up: lightspeed's group is created first and adopted."""
         self.set_world_ranks()  # type: ignore[attr-defined]  # DDPStrategy's and DeepSpeedStrategy's
-        with _process_group.lightspeed_process_group(
-            self._get_process_group_backend(),  # type: ignore[attr-defined]
-            self.global_rank,
-            self.world_size,
-            self._timeout,  # type: ignore[attr-defined]
-            before_creating=self._set_main_address,
-        ):
+        backend = self._get_process_group_backend()  # type: ignore[attr-defined]
+        timeout = self._timeout  # type: ignore[attr-defined]
+        with _process_group.lightspeed_process_group(self, backend, timeout, rank_variables=self._rank_variables):
             yield
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None

@@ -25,12 +25,6 @@ class SequenceParallelMixin(DeepSpeedStrategyBase):
 
     _session: ZeroSession
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        groups = self._session.sequence_parallel.sampler_kwargs(self.world_size, self.global_rank)
-        return super().distributed_sampler_kwargs if groups is None else groups
-
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         return self._session.sequence_parallel.shard(super().batch_to_device(batch, device, dataloader_idx))
@@ -39,3 +33,9 @@ class SequenceParallelMixin(DeepSpeedStrategyBase):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         closure_loss = self._session.scale_loss(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        own = self._session.sequence_parallel.sampler_kwargs(self.world_size, self.global_rank)
+        return own or super().distributed_sampler_kwargs

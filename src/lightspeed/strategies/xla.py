@@ -164,6 +164,13 @@ def _require_torch_xla() -> None:
         raise ModuleNotFoundError(torch_xla_missing_message())
 
 
+def _passed_on(arguments: dict[str, Any]) -> dict[str, Any]:
+    """A strategy's ``__init__`` arguments (its ``locals()``) as keywords for the classes after it, ``**kwargs``
+    merged in."""
+    named = {name: value for name, value in arguments.items() if name not in ("self", "__class__", "kwargs")}
+    return {**named, **arguments.get("kwargs", {})}
+
+
 def _default_precision() -> _LightningXLAPrecision:
     return XLAPrecision("32-true")
 
@@ -189,6 +196,7 @@ class _LightspeedXLAStrategyMixin(StrategyBase):  # only ever combined with Ligh
         recompilation_warmup_steps: int = DEFAULT_WARMUP_STEPS,
         **kwargs: Any,
     ) -> None:
+        _require_torch_xla()
         super().__init__(*args, **kwargs)
         self.recompilation_alarm = bool(recompilation_alarm)
         self.recompilation_warmup_steps = check_warmup_steps(recompilation_warmup_steps)
@@ -287,19 +295,7 @@ class XLAExactStrategy(_LightspeedXLAStrategyMixin, ResumableDataMixin, ExactAcc
         recompilation_warmup_steps: int = DEFAULT_WARMUP_STEPS,
         **kwargs: Any,
     ) -> None:
-        _require_torch_xla()
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            debug=debug,
-            sync_module_states=sync_module_states,
-            sync_with_dataloader=sync_with_dataloader,
-            recompilation_alarm=recompilation_alarm,
-            recompilation_warmup_steps=recompilation_warmup_steps,
-            **kwargs,
-        )
+        super().__init__(**_passed_on(locals()))
 
     @override
     def _configure_launcher(self) -> None:
@@ -350,14 +346,4 @@ class SingleDeviceXLAExactStrategy(
         recompilation_alarm: bool = True,
         recompilation_warmup_steps: int = DEFAULT_WARMUP_STEPS,
     ) -> None:
-        _require_torch_xla()
-        super().__init__(
-            device=device,
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            debug=debug,
-            sync_with_dataloader=sync_with_dataloader,
-            recompilation_alarm=recompilation_alarm,
-            recompilation_warmup_steps=recompilation_warmup_steps,
-        )
+        super().__init__(**_passed_on(locals()))

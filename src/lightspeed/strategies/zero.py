@@ -75,6 +75,7 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
     """
 
     strategy_name = "zero"
+    _rank_variables = True  # DeepSpeed reads RANK, WORLD_SIZE and LOCAL_RANK
 
     def __init__(self, **arguments: Unpack[TrainerZeroKeywords]) -> None:
         recipe, given = strategy_arguments(arguments, ZeroStrategy, type(self).__name__, "Trainer", TRAINER_DEFAULTS)
@@ -122,29 +123,11 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
     # ------------------------------------------------------------------ process setup
     @override
     def setup_environment(self) -> None:
-        kind = self._device_kind()
-        self._session.start_process(kind, self)
-        if kind == "cuda":
-            super().setup_environment()  # Lightning's checks and CUDA device selection
-            return
         assert self.accelerator is not None  # set by the Trainer before setup_environment
         self.accelerator.setup_device(self.root_device)
-        self.setup_distributed()
-
-    @override
-    def _set_main_address(self) -> None:
-        self._set_node_environment_variables()  # DeepSpeed's rank variables too
-
-    @override
-    def setup_distributed(self) -> None:
-        if self._device_kind() == "cuda":
-            super().setup_distributed()  # lightspeed's group (ProcessGroupMixin), then Lightning's CUDA set-up
-            return
-        # CPU devices carry no index, so Lightning's CUDA index check does not apply; DeepSpeed adopts the group.
-        with self._lightspeed_process_group():
-            reset_seed()
-            self.set_world_ranks()
-            self._init_deepspeed_distributed()
+        # Lightning's DeepSpeed set-up refuses the CPU; the session does its steps for CUDA and the CPU alike
+        steps = (reset_seed, self.set_world_ranks, self._init_deepspeed_distributed)
+        self._session.start_process(self._device_kind(), self, self._lightspeed_process_group(), *steps)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -25,25 +25,16 @@ from lightspeed.core.zero.parameter_checks import (
 )
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies.several_models import SEVERAL_MODELS_HINT
+from lightspeed.strategies.zero_base import ZeroStrategyBase
 
 if TYPE_CHECKING:
     import deepspeed
     import lightning.pytorch as pl
 
-    from lightspeed.core.zero.session import ZeroConfigProperties
-    from lightspeed.strategies.exact_accumulation import DeepSpeedExactAccumulationMixin
-    from lightspeed.strategies.zero_checkpoints import ZeroCheckpointsMixin
-
-    class _ZeroStrategyBase(  # type: ignore[misc]  # type-checked as the strategy it is the first base of
-        ZeroConfigProperties, DeepSpeedExactAccumulationMixin, ZeroCheckpointsMixin
-    ): ...
-else:
-    _ZeroStrategyBase = object
-
 __all__ = ["ZeroEngineMixin"]
 
 
-class ZeroEngineMixin(_ZeroStrategyBase):
+class ZeroEngineMixin(ZeroStrategyBase):
     """The engine construction of :class:`~lightspeed.strategies.ZeroStrategy` (its first base)."""
 
     _train_engine: deepspeed.DeepSpeedEngine | None

@@ -14,7 +14,7 @@ A public module keeps a moved name reachable with a module ``__getattr__``::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 __all__ = ["moved_attribute", "renamed_keyword", "warn_deprecated"]
@@ -39,6 +39,24 @@ def moved_attribute(module: str, name: str, moved: Mapping[str, tuple[str, Any]]
     new, value = moved[name]
     warn_deprecated(f"{module}.{name}", new, stacklevel=3)  # this function, the module's __getattr__, the user
     return value
+
+
+def module_getattr(module: str, moved: Mapping[str, tuple[str, Any]]) -> Callable[[str], Any]:
+    """The ``__getattr__`` of ``module`` whose old names (``moved``: old name -> (its new spelling, the object)) still
+    reach their objects, with a :func:`moved_attribute` warning."""
+
+    def __getattr__(name: str) -> Any:
+        return moved_attribute(module, name, moved)
+
+    return __getattr__
+
+
+def moved_registration(register: Callable[..., Any]) -> tuple[str, Any]:
+    """The ``moved`` entry of a front end's ``register_*_strategies`` once public in its package: its new spelling
+    (the registration module's) and what to do instead."""
+    spelling = f"{register.__module__}.{register.__qualname__}"
+    advice = "`import lightspeed` already calls it; lightspeed.registry.register_all() registers everything again"
+    return f"{spelling} ({advice})", register
 
 
 def renamed_keyword(owner: str, old: str, new: str, old_value: T | None, new_value: T, default: T, depth: int = 1) -> T:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightspeed.core.common.process import RankedProcess
 from lightspeed.core.errors import CollectiveTimeoutError, RankLostError
 from lightspeed.core.reliability import hang_report
 from lightspeed.core.reliability.host_address import check_host_addresses
@@ -47,7 +48,7 @@ __all__ = [
     "register_exit_cleanup",
     "release_other_gloo_group",
     "restart_prefix",
-    "set_main_address",
+    "set_rendezvous_environment",
     "set_position",
     "take_ownership",
     "timeouts_explained",
@@ -151,11 +152,17 @@ def restart_prefix() -> str:
     return f"lightspeed/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
-def set_main_address(address: str, port: int) -> None:
-    """Where rank 0's store listens (``MASTER_ADDR``/``MASTER_PORT`` of the ``env://`` rendezvous), set before
-    :func:`init_process_group` from the front end's cluster environment."""
-    os.environ["MASTER_ADDR"] = address
-    os.environ["MASTER_PORT"] = str(port)
+def set_rendezvous_environment(process: RankedProcess, *, rank_variables: bool) -> None:
+    """Where rank 0's store listens (``MASTER_ADDR``/``MASTER_PORT`` of the ``env://`` rendezvous), from the front
+    end's cluster environment, before :func:`init_process_group`; with ``rank_variables`` also ``RANK``,
+    ``WORLD_SIZE`` and ``LOCAL_RANK``, which DeepSpeed reads."""
+    environment: Any = process.cluster_environment
+    os.environ["MASTER_ADDR"] = environment.main_address
+    os.environ["MASTER_PORT"] = str(environment.main_port)
+    if rank_variables:
+        os.environ["RANK"] = str(process.global_rank)
+        os.environ["WORLD_SIZE"] = str(process.world_size)
+        os.environ["LOCAL_RANK"] = str(process.local_rank)
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout: timedelta | None) -> None:
@@ -224,16 +231,15 @@ def _position_text() -> str:
 
 @contextmanager
 def lightspeed_process_group(
-    backend: str, rank: int, world_size: int, timeout: timedelta | None, *, before_creating: Callable[[], None]
+    process: RankedProcess, backend: str, timeout: timedelta | None, *, rank_variables: bool = False
 ) -> Iterator[None]:
-    """Wrap a front end's process set-up: unless a default group exists, ``before_creating()`` (the front end sets
-    ``MASTER_ADDR``/``MASTER_PORT`` and the rank variables) and :func:`init_process_group` run first, so Lightning and
-    DeepSpeed adopt lightspeed's group inside the block; afterwards the groups DeepSpeed created get ``timeout``
-    too. A group the user created is left as it is."""
+    """Wrap a front end's process set-up: unless a default group exists, :func:`set_rendezvous_environment` and
+    :func:`init_process_group` run first, so Lightning and DeepSpeed adopt lightspeed's group inside the block;
+    afterwards the groups DeepSpeed created get ``timeout`` too. A group the user created is left as it is."""
     existed = group_is_initialized()
     if not existed:
-        before_creating()
-        init_process_group(backend, rank, world_size, timeout)
+        set_rendezvous_environment(process, rank_variables=rank_variables)
+        init_process_group(backend, process.global_rank, process.world_size, timeout)
     yield
     if not existed and group_is_initialized():
         take_ownership()

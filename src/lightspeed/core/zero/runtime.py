@@ -201,6 +201,17 @@ def zero_device_kind(accelerator: object) -> str:
     )
 
 
+def check_device_of_local_rank(device: Any, local_rank: int) -> None:
+    """On CUDA, a process of local rank ``i`` trains on ``cuda:i`` (DeepSpeed selects its device by the local rank, as
+    Lightning requires); choosing other GPUs is done with ``CUDA_VISIBLE_DEVICES``."""
+    if device.index != local_rank:
+        raise DeepSpeedConfigError(
+            f"The process of local rank {local_rank} was given {device}, but ZeRO trains local rank {local_rank} on "
+            f"cuda:{local_rank}. Choose the GPUs with CUDA_VISIBLE_DEVICES instead of the device indices (e.g. "
+            f"CUDA_VISIBLE_DEVICES={device.index} for this one) and pass devices=<how many>."
+        )
+
+
 def check_precision_supported(kind: str, precision: str) -> None:
     """Refuse a Lightning ``precision`` that DeepSpeed cannot train in on device ``kind`` (``"cpu"``/``"cuda"``)."""
     import torch

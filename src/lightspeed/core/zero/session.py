@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -53,7 +54,11 @@ from lightspeed.core.zero.engine import (
     save_zero_checkpoint,
 )
 from lightspeed.core.zero.leaf_modules import LeafModules
-from lightspeed.core.zero.runtime import check_precision_supported, export_deepspeed_accelerator
+from lightspeed.core.zero.runtime import (
+    check_device_of_local_rank,
+    check_precision_supported,
+    export_deepspeed_accelerator,
+)
 from lightspeed.core.zero.unused_parameters import check_unused_parameters_mode
 
 __all__ = ["ZeroConfigProperties", "ZeroSession"]
@@ -164,13 +169,27 @@ class ZeroSession:
         launcher = external_launcher(launch.cluster_environment)
         check_launched_world(*launcher, launch.num_nodes, launch.num_processes, front_end=self.front_end)
 
-    def start_process(self, device_kind: str, process: ProcessPlace) -> None:
-        """In each process, before its process group exists: where its engines run (the CUDA index of
-        ``process.root_device``; none on the CPU), DeepSpeed's accelerator and ops, and the filter of known
-        third-party deprecation floods (until :meth:`end_process`)."""
+    def start_process(
+        self,
+        device_kind: str,
+        process: ProcessPlace,
+        process_group: AbstractContextManager[object],
+        *steps: Callable[[], object],
+    ) -> None:
+        """In each process: where its engines run (the CUDA index of ``process.root_device``; none on the CPU),
+        DeepSpeed's accelerator and ops and the filter of known third-party deprecation floods (until
+        :meth:`end_process`); then its distributed set-up, the same on CUDA and on the CPU (Lightning's DeepSpeed
+        set-up refuses the CPU): on CUDA this process's device must be the one of its local rank, as Lightning
+        requires; ``process_group`` (lightspeed's, created first) is entered and the front end's ``steps`` run inside
+        it in Lightning's order (seed, world ranks, DeepSpeed adopting the group, ...)."""
         self._placement = (device_kind, process.root_device.index, process.local_rank)
         third_party_warnings.install()
         prepare_deepspeed_process(device_kind, config_uses_nvme(self.config))
+        if device_kind == "cuda":
+            check_device_of_local_rank(process.root_device, process.local_rank)
+        with process_group:
+            for step in steps:
+                step()
 
     def end_process(self) -> None:
         """Undo :meth:`start_process`'s warning filter and the sequence-parallel attention (the front end's
