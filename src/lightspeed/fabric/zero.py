@@ -153,7 +153,8 @@ class ZeroFabricStrategy(  # type: ignore[misc]  # `config`: the session's, neve
         assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
         steps = (reset_seed, self._set_world_ranks, self._init_deepspeed_distributed, self._init_config_if_needed)
-        self._session.start_process(self._device_kind(), self, self._lightspeed_process_group(), *steps)
+        group = self._lightspeed_process_group()
+        self._session.start_process(self._device_kind(), self, process_group=group, steps=steps)
 
     def _init_config_if_needed(self) -> None:
         if not self._config_initialized:

@@ -64,8 +64,9 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
     """DeepSpeed ZeRO for Lightning, on ``accelerator="cuda"`` (nccl) and ``accelerator="cpu"`` (gloo).
 
     Args:
-        **arguments: :class:`TrainerZeroKeywords`, each with its default when left out: the ZeRO arguments every
-            front end takes (:class:`~lightspeed.core.zero.config.arguments.ZeroKeywords`: ``stage``,
+        **arguments: :class:`~lightspeed.strategies.zero_keywords.TrainerZeroKeywords`, each with its default when
+            left out: the ZeRO arguments every front end takes
+            (:class:`~lightspeed.core.zero.config.arguments.ZeroKeywords`: ``stage``,
             ``offload_optimizer``, ``offload_parameters``, ``nvme_path``, ``config``, bucket sizes, activation
             checkpointing, low-memory states, ``leaf_modules``, checkpoint options, ``compile``, sequence parallelism
             and tiling, ``unused_parameters``, ``timeout``, ...) and the Trainer's own (``sync_with_dataloader``,
@@ -127,7 +128,8 @@ class ZeroStrategy(  # type: ignore[misc]  # `config`: the session's, never None
         self.accelerator.setup_device(self.root_device)
         # Lightning's DeepSpeed set-up refuses the CPU; the session does its steps for CUDA and the CPU alike
         steps = (reset_seed, self.set_world_ranks, self._init_deepspeed_distributed)
-        self._session.start_process(self._device_kind(), self, self._lightspeed_process_group(), *steps)
+        group = self._lightspeed_process_group()
+        self._session.start_process(self._device_kind(), self, process_group=group, steps=steps)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -3,11 +3,13 @@ listing of incomplete checkpoints."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from lightspeed.core.reliability.hang_report import (
     ranks_that_left,
 )
 from lightspeed.core.reliability.last_checkpoint import describe_skipped, incomplete_checkpoints
+from lightspeed.core.reliability.process_group import set_rendezvous_environment
 from lightspeed.core.reliability.resumable_sampler import ResumableDistributedSampler
 
 
@@ -289,3 +292,17 @@ def test_incomplete_checkpoints_are_listed_and_explained(tmp_path: Path) -> None
         "it to 'last.ckpt' to resume from it"
     )
     assert incomplete_checkpoints(tmp_path / "missing") == []
+
+
+@pytest.mark.parametrize("rank_variables", [True, False])
+def test_the_rendezvous_environment_names_rank_zeros_store_and_for_deepspeed_the_ranks(
+    monkeypatch: pytest.MonkeyPatch, rank_variables: bool
+) -> None:
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    cluster = SimpleNamespace(main_address="198.18.0.1", main_port=29512)
+    process = SimpleNamespace(cluster_environment=cluster, global_rank=3, local_rank=1, world_size=4)
+    set_rendezvous_environment(process, rank_variables=rank_variables)
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("198.18.0.1", "29512")
+    ranks = [os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]
+    assert ranks == (["3", "4", "1"] if rank_variables else [None, None, None])  # DDP's processes: as they were

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -173,21 +173,23 @@ class ZeroSession:
         self,
         device_kind: str,
         process: ProcessPlace,
-        process_group: AbstractContextManager[object],
-        *steps: Callable[[], object],
+        *,
+        process_group: AbstractContextManager[object] | None = None,
+        steps: Sequence[Callable[[], object]] = (),
     ) -> None:
         """In each process: where its engines run (the CUDA index of ``process.root_device``; none on the CPU),
         DeepSpeed's accelerator and ops and the filter of known third-party deprecation floods (until
-        :meth:`end_process`); then its distributed set-up, the same on CUDA and on the CPU (Lightning's DeepSpeed
-        set-up refuses the CPU): on CUDA this process's device must be the one of its local rank, as Lightning
-        requires; ``process_group`` (lightspeed's, created first) is entered and the front end's ``steps`` run inside
-        it in Lightning's order (seed, world ranks, DeepSpeed adopting the group, ...)."""
+        :meth:`end_process`). A front end's distributed set-up follows, the same on CUDA and on the CPU (Lightning's
+        DeepSpeed set-up refuses the CPU): on CUDA this process's device must be the one of its local rank, as
+        Lightning requires; ``process_group`` (lightspeed's, created first) is entered and the front end's ``steps``
+        run inside it in Lightning's order (seed, world ranks, DeepSpeed adopting the group, ...). A loop without a
+        front end passes neither and creates its group itself."""
         self._placement = (device_kind, process.root_device.index, process.local_rank)
         third_party_warnings.install()
         prepare_deepspeed_process(device_kind, config_uses_nvme(self.config))
         if device_kind == "cuda":
             check_device_of_local_rank(process.root_device, process.local_rank)
-        with process_group:
+        with process_group or nullcontext():
             for step in steps:
                 step()
 
