@@ -14,11 +14,14 @@ from pathlib import Path
 import pytest
 
 from _support.launch import REPO_ROOT, run_python
+from lightspeed.core.zero.auto_arguments import ZERO_AUTO_DEFAULTS, ZeroAutoKeywords
 from lightspeed.core.zero.config import ZeroTuning
 from lightspeed.core.zero.config.arguments import ZERO_DEFAULTS, ZeroKeywords
 from lightspeed.core.zero.config.keywords import named_arguments
 from lightspeed.fabric import ZeroAutoFabricStrategy, ZeroFabricStrategy
+from lightspeed.fabric.zero_keywords import FABRIC_DEFAULTS, FabricOnlyKeywords
 from lightspeed.strategies import ZeroAutoStrategy, ZeroStrategy
+from lightspeed.strategies.zero_keywords import TRAINER_DEFAULTS, TrainerOnlyKeywords
 
 #: what only one front end has: the Trainer's loop, precision plugin, launcher and several-model options; Fabric's
 #: precision (the Trainer's comes as a plugin) and the loop's own tuning inputs (names read from the signatures,
@@ -42,6 +45,9 @@ def test_trainer_and_fabric_strategies_take_the_same_arguments(trainer: type, fa
 
 def test_every_zero_argument_has_one_default_and_the_tuning_knobs_are_zero_tunings() -> None:
     assert set(ZERO_DEFAULTS) == set(ZeroKeywords.__annotations__)
+    assert set(ZERO_AUTO_DEFAULTS) == set(ZeroAutoKeywords.__annotations__)
+    assert set(TRAINER_DEFAULTS) == set(TrainerOnlyKeywords.__annotations__)
+    assert set(FABRIC_DEFAULTS) == set(FabricOnlyKeywords.__annotations__)
     for field in dataclasses.fields(ZeroTuning):
         assert ZERO_DEFAULTS[field.name] == field.default, field.name
 
