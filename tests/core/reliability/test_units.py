@@ -299,7 +299,8 @@ def test_the_rendezvous_environment_names_rank_zeros_store_and_for_deepspeed_the
     monkeypatch: pytest.MonkeyPatch, rank_variables: bool
 ) -> None:
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "recorded")  # so that monkeypatch restores each as it was (absent: removed)
+        monkeypatch.delenv(name)
     cluster = SimpleNamespace(main_address="198.18.0.1", main_port=29512)
     process = SimpleNamespace(cluster_environment=cluster, global_rank=3, local_rank=1, world_size=4)
     set_rendezvous_environment(process, rank_variables=rank_variables)
