@@ -86,9 +86,9 @@ class ModelRecipe:
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any], front_end: str) -> ModelRecipe:
-        """The recipe from a ZeRO front end's constructor arguments (its ``locals()``): ``stage``, the offload targets,
-        ``nvme_path``, ``config`` and every :class:`~lightspeed.core.zero.config.zero_recipe.ZeroTuning` field, which
-        the Trainer's and Fabric's strategies take under the same names with the same defaults."""
+        """The recipe from a ZeRO front end's arguments by name, defaults filled in
+        (:func:`~lightspeed.core.zero.config.arguments.zero_arguments`): ``stage``, the offload targets, ``nvme_path``,
+        ``config`` and every :class:`~lightspeed.core.zero.config.zero_recipe.ZeroTuning` field."""
         tuning = ZeroTuning(**{field.name: arguments[field.name] for field in dataclasses.fields(ZeroTuning)})
         return cls.of(
             arguments["stage"],
