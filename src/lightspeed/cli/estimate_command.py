@@ -16,6 +16,7 @@ from lightspeed.cli.usage import (
     Command,
     UsageError,
     add_deprecated_alias,
+    options_from,
 )
 
 _EPILOG = """\
@@ -130,14 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
     counts = _counts(args)
     cluster = Cluster(_devices(args), args.nodes)
-    accounting = Accounting(
-        precision=args.precision,
-        optimizer_state_bytes=args.optimizer_state_bytes,
-        buffer_factor=args.buffer_factor,
-        zero_init=args.zero_init,
-        bf16_master_weights_and_grads=args.bf16_master_weights_and_grads,
-        bf16_optimizer_states=args.bf16_optimizer_states,
-    )
+    accounting = options_from(Accounting, args)
     margin = DEFAULT_SAFETY_MARGIN if args.safety_margin is None else args.safety_margin
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; stdout is for the result
         budgets = _budgets(args)

@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from lightspeed.cli.usage import EXIT_OK, Command, add_deprecated_alias
+from lightspeed.cli.usage import EXIT_OK, Command, add_deprecated_alias, options_from
 
 if TYPE_CHECKING:
     from lightspeed.core.checkpoint.options import ExportOptions
@@ -93,16 +93,8 @@ def _options(args: argparse.Namespace) -> ExportOptions:
     """The export options the command line asked for (validated: a bad shard size raises ExportError)."""
     from lightspeed.core.checkpoint.options import ExportOptions
 
-    return ExportOptions(
-        dtype=args.dtype,
-        max_shard_size=None if str(args.max_shard_size).lower() == "none" else args.max_shard_size,
-        tag=args.tag,
-        exclude_frozen_parameters=args.exclude_frozen_parameters,
-        strip_prefix=args.strip_prefix,
-        overwrite=args.overwrite,
-        hf_config=args.hf_config,
-        peft=args.peft,
-    )
+    max_shard_size = None if str(args.max_shard_size).lower() == "none" else args.max_shard_size
+    return options_from(ExportOptions, args, max_shard_size=max_shard_size)
 
 
 def _progress_bar(enabled: bool) -> tuple[Progress | None, Any]:

@@ -9,10 +9,12 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 from lightspeed.core.zero.config import NVME_PATH_ENV
+
+_Options = TypeVar("_Options")
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -48,6 +50,14 @@ class Command:
 
 class UsageError(Exception):
     """A problem with what the user asked for; the command prints the message and exits with code 2."""
+
+
+def options_from(options_class: type[_Options], args: argparse.Namespace, **given: Any) -> _Options:
+    """An options dataclass built from the parsed command line: every constructor field that the command declares an
+    option of the same name for, then ``given`` (values the command derives itself), so each command lists only what
+    it spells differently."""
+    taken = {f.name: getattr(args, f.name) for f in fields(options_class) if f.init and hasattr(args, f.name)}  # type: ignore[arg-type]
+    return options_class(**{**taken, **given})
 
 
 def require_nvme_path(strategy: str, nvme_path: str | None) -> None:

@@ -26,7 +26,6 @@ from torch.optim import Optimizer
 from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero import load_policy
 from lightspeed.core.zero.config.model_recipe import ModelOptions
-from lightspeed.core.zero.engine import save_models_checkpoint
 from lightspeed.core.zero.several_models import (
     check_model_options,
     mark_model_options,
@@ -134,7 +133,6 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
     # ------------------------------------------------------------------ checkpoints of several models
     def _save_models(self, engines: Mapping[str, Any], path: Any, state: Mapping[str, Any]) -> None:
         self._refuse_node_local_storage()
-        target, rank_local = self._session.save_target(str(path), self.broadcast, node_local=False)
         trained = {key: engine for key, engine in engines.items() if self._trains(engine)}
         if not trained:
             raise ValueError("`fabric.save` got several models but none has an optimizer: nothing is trained.")
@@ -142,17 +140,14 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
         client_state = {k: v for k, v in state.items() if not any(v is obj for obj in excluded)}
         _validate_state_keys(client_state)  # the keys DeepSpeed keeps for itself, as for one model
         client_state = self._convert_stateful_objects_in_state(client_state, filter={})
-        save_models_checkpoint(
-            self._session.saver,
+        self._session.save_models(
             trained,
             {key: self.model_configs.get(id(engine), self.config) for key, engine in trained.items()},
-            target,
+            str(path),
             client_state,
-            world_size=self.world_size,
+            process=self,
             frozen=[key for key in engines if key not in trained],
-            exclude_frozen_parameters=self.exclude_frozen_parameters,
-            manifest_extra={"global_step": {key: int(engine.global_steps) for key, engine in trained.items()}},
-            rank_local=rank_local,
+            progress={"global_step": {key: int(engine.global_steps) for key, engine in trained.items()}},
         )
 
     def _load_models(

@@ -17,7 +17,6 @@ from typing_extensions import override
 
 from lightspeed.core.errors import CheckpointError
 from lightspeed.core.zero import load_policy
-from lightspeed.core.zero.engine import save_models_checkpoint
 from lightspeed.core.zero.weights import load_full_state_dict
 from lightspeed.strategies.several_models import SeveralModelsMixin
 
@@ -52,18 +51,14 @@ class ZeroCheckpointsMixin(SeveralModelsMixin):
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         progress = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
         if self.several_models:
-            target, rank_local = self._session.save_target(str(filepath), self.broadcast, node_local=False)
-            save_models_checkpoint(
-                self._session.saver,
+            self._session.save_models(
                 self.trained_models,
                 self.model_configs,
-                target,
+                str(filepath),
                 client_state,
-                world_size=self.world_size,
+                process=self,
                 frozen=self.frozen_models,
-                exclude_frozen_parameters=self.exclude_frozen_parameters,
-                manifest_extra=progress,
-                rank_local=rank_local,
+                progress=progress,
             )
             return
         self._session.save(

@@ -3,11 +3,12 @@ core's features."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
 
-__all__ = ["module_class_problem", "require_whole_number"]
+__all__ = ["module_class_problem", "module_class_problems", "require_whole_number"]
 
 
 def require_whole_number(value: Any, minimum: int, message: str) -> int:
@@ -33,3 +34,20 @@ def module_class_problem(entry: Any, whole_model: str) -> str | None:
     if entry is nn.Module:
         return f"torch.nn.Module matches every module, so the whole model would be {whole_model}"
     return None
+
+
+def module_class_problems(
+    entries: Iterable[Any], whole_model: str, other_problem: Callable[[Any], str | None]
+) -> tuple[list[Any], list[str]]:
+    """The ``entries`` of a collection of module classes (a set in a stable order, for messages that do not change
+    from run to run) and what is wrong with each: :func:`module_class_problem` for modules and classes,
+    ``other_problem`` for anything else (None: an accepted entry)."""
+    ordered = sorted(entries, key=repr) if isinstance(entries, (set, frozenset)) else list(entries)
+    problems = []
+    for entry in ordered:
+        problem = module_class_problem(entry, whole_model)
+        if problem is None and not isinstance(entry, type):
+            problem = other_problem(entry)
+        if problem is not None:
+            problems.append(problem)
+    return ordered, problems

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from lightspeed.core.common.checks import module_class_problem
+from lightspeed.core.common.checks import module_class_problems
 from lightspeed.core.common.distributed import global_rank
 from lightspeed.core.common.logs import logger
 from lightspeed.core.errors import DeepSpeedConfigError
@@ -97,6 +97,13 @@ def _describe(entry: LeafEntry) -> str:
     return entry.__qualname__ if isinstance(entry, type) else repr(entry)
 
 
+def _not_a_leaf_name(entry: Any) -> str | None:
+    """What is wrong with an entry that is not a class: None for a non-empty string (a class or module name)."""
+    if isinstance(entry, str):
+        return "an empty string" if not entry.strip() else None
+    return f"{entry!r} (of type {type(entry).__name__})"
+
+
 def _checked_entries(value: Any) -> tuple[LeafEntry, ...]:
     """``leaf_modules`` (not ``"auto"`` or None) as a tuple of entries; anything but module classes and non-empty
     strings raises :class:`DeepSpeedConfigError` saying what to pass."""
@@ -107,18 +114,7 @@ def _checked_entries(value: Any) -> tuple[LeafEntry, ...]:
             f"leaf_modules must be 'auto', None or a collection of module classes, class names or module-name "
             f"suffixes, got {value!r} ({type(value).__name__}); {_EXAMPLE}."
         )
-    entries = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else list(value)
-    problems = []
-    for entry in entries:
-        if isinstance(entry, str):
-            if not entry.strip():
-                problems.append("an empty string")
-            continue
-        problem = module_class_problem(entry, "one leaf")
-        if problem is None and not isinstance(entry, type):
-            problem = f"{entry!r} (of type {type(entry).__name__})"
-        if problem is not None:
-            problems.append(problem)
+    entries, problems = module_class_problems(value, "one leaf", _not_a_leaf_name)
     if problems:
         raise DeepSpeedConfigError(
             f"leaf_modules holds entries that name no module: {'; '.join(problems)}. Pass module classes, class "

@@ -51,6 +51,7 @@ from lightspeed.core.zero.engine import (
     initialize_engine,
     prepare_deepspeed_process,
     prepare_optimizer,
+    save_models_checkpoint,
     save_zero_checkpoint,
 )
 from lightspeed.core.zero.leaf_modules import LeafModules
@@ -347,18 +348,35 @@ class ZeroSession:
         rank finished (on node-local storage, this node's part, with its position)."""
         node = describe_position(process.node_rank, process.local_rank) if self.node_local_storage else None
         target, rank_local = self.save_target(path, process.broadcast)
-        save_zero_checkpoint(
-            self.saver,
-            engine,
-            target,
-            client_state,
-            world_size=process.world_size,
-            config=self.config,
-            exclude_frozen_parameters=self.exclude_frozen_parameters,
-            manifest_extra=progress,
-            node=node,
-            rank_local=rank_local,
-        )
+        options = self._save_options(process, progress, rank_local)
+        save_zero_checkpoint(self.saver, engine, target, client_state, config=self.config, node=node, **options)
+
+    def save_models(
+        self,
+        engines: Mapping[str, Any],
+        configs: Mapping[str, dict[str, Any]],
+        path: str,
+        client_state: dict[str, Any],
+        *,
+        process: ProcessPlace,
+        frozen: Sequence[str],
+        progress: dict[str, Any],
+    ) -> None:
+        """Save the trained models' ``engines`` (each with its config) into one checkpoint at rank 0's ``path``, the
+        models in ``frozen`` named but not written; shared storage only (node-local saves of several models are refused
+        when the models are set up)."""
+        target, rank_local = self.save_target(path, process.broadcast, node_local=False)
+        options = self._save_options(process, progress, rank_local)
+        save_models_checkpoint(self.saver, engines, configs, target, client_state, frozen=frozen, **options)
+
+    def _save_options(self, process: ProcessPlace, progress: dict[str, Any], rank_local: bool) -> dict[str, Any]:
+        """What every checkpoint save of this run is told besides its engines and target."""
+        return {
+            "world_size": process.world_size,
+            "exclude_frozen_parameters": self.exclude_frozen_parameters,
+            "manifest_extra": progress,
+            "rank_local": rank_local,
+        }
 
     # ------------------------------------------------------------------ a step the front end makes itself
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lightspeed.core.common.checks import module_class_problem
+from lightspeed.core.common.checks import module_class_problems
 from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config.choices import AUTO
 
@@ -43,6 +43,10 @@ def _is_count(value: Any) -> bool:
 Policy = frozenset[type[torch.nn.Module]]
 
 _POLICY_EXAMPLE = "e.g. activation_checkpointing_policy={Block} with the class of the model's repeated block"
+
+
+def _not_a_class(entry: Any) -> str:
+    return f"{entry!r} (a {type(entry).__name__}): pass the module class itself, not its name or an object"
 
 
 def checked_policy(policy: Any) -> Policy | None:
@@ -66,14 +70,7 @@ def checked_policy(policy: Any) -> Policy | None:
             f"activation_checkpointing_policy must be a set of torch.nn.Module classes, got {got}. Pass the classes "
             f"whose instances' forward is checkpointed, {_POLICY_EXAMPLE}."
         )
-    entries = sorted(policy, key=repr) if isinstance(policy, (set, frozenset)) else list(policy)
-    problems = []
-    for entry in entries:
-        problem = module_class_problem(entry, "one checkpoint")
-        if problem is None and not isinstance(entry, type):
-            problem = f"{entry!r} (a {type(entry).__name__}): pass the module class itself, not its name or an object"
-        if problem is not None:
-            problems.append(problem)
+    _, problems = module_class_problems(policy, "one checkpoint", _not_a_class)
     if problems:
         listed = "; ".join(problems)
         raise DeepSpeedConfigError(
