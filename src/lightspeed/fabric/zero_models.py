@@ -9,12 +9,13 @@ The Trainer's mixin also keeps generation in step; here ``fabric.setup`` does th
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from typing_extensions import override
 
+from lightspeed.core.zero.nvme_swapping import sized_parameter_swapper
 from lightspeed.core.zero.partitioned_build import building_into_partitions
 from lightspeed.fabric.mixin_bases import DeepSpeedStrategyBase
 
@@ -28,9 +29,11 @@ class ZeroModelsMixin(DeepSpeedStrategyBase):
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        return self._sharded_build(super().module_sharded_context())
+        return self._sharded_build(super().module_sharded_context)
 
     @contextmanager
-    def _sharded_build(self, sharded: AbstractContextManager) -> Generator[None, None, None]:
-        with sharded, building_into_partitions(self.config, self.zero_stage_3):
+    def _sharded_build(self, sharded: Callable[[], AbstractContextManager]) -> Generator[None, None, None]:
+        """Lightning's ``zero.Init`` context, made (DeepSpeed sets up its parameter swapper then) inside
+        lightspeed's swapper sizing, and lightspeed's build context."""
+        with sized_parameter_swapper(self.config), sharded(), building_into_partitions(self.config, self.zero_stage_3):
             yield

@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightspeed.core.zero.evaluation import gathered_for_evaluation
 from lightspeed.core.zero.generation import keep_generation_in_step
+from lightspeed.core.zero.nvme_swapping import sized_parameter_swapper
 from lightspeed.core.zero.partitioned_build import building_into_partitions
 from lightspeed.strategies.mixin_bases import DeepSpeedStrategyBase
 
@@ -41,7 +42,11 @@ class ZeroModelsMixin(DeepSpeedStrategyBase):
     @override
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        with super().model_sharded_context(), building_into_partitions(self.config, self.zero_stage_3):
+        with (
+            sized_parameter_swapper(self.config),  # before zero.Init sets up its swapper
+            super().model_sharded_context(),
+            building_into_partitions(self.config, self.zero_stage_3),
+        ):
             yield
 
     @override

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lightspeed.core.common.allocator import return_freed_memory_promptly
 from lightspeed.core.common.distributed import is_distributed
 from lightspeed.core.errors import DeepSpeedConfigError, ExportError
 from lightspeed.core.peft.detect import check_adapter_targets, resolve_frozen_exclusion
@@ -69,13 +70,14 @@ FROZEN_EXCLUDED_KEY = "frozen_parameters_excluded"
 def prepare_deepspeed_process(kind: str, uses_nvme: bool) -> None:
     """Make DeepSpeed use accelerator ``kind`` (``"cpu"``/``"cuda"``) in this rank, clear build locks that a killed
     op build left, and refuse NVMe offload where DeepSpeed's async I/O op cannot run, before the process group or any
-    engine exists."""
+    engine exists; under NVMe offload, freed host memory goes back to the operating system at once."""
     use_deepspeed_accelerator(kind)
     clear_stale_build_locks()  # a build killed half-way would make the op's next load wait forever
     if uses_nvme:
         problem = async_io_problem()
         if problem is not None:
             raise DeepSpeedConfigError(f"NVMe offload cannot run here: {problem}")
+        return_freed_memory_promptly()  # NVMe offload is chosen to need less host memory (core/common/allocator.py)
 
 
 def one_optimizer_error(got: str, where: str, several_models: str) -> DeepSpeedConfigError:

@@ -38,10 +38,16 @@ from lightspeed.core.zero.compile import (
 from lightspeed.core.zero.config import (
     TrainingFacts,
     describe_config,
+    find_hidden_size,
     resolve_config_with_notes,
     summarize_config,
 )
 from lightspeed.core.zero.config.activation import Policy
+from lightspeed.core.zero.config.resolution import (
+    UNKNOWN_HIDDEN_SIZE_NOTE,
+    fill_sizes_from_the_model,
+    sizes_waiting_for_the_model,
+)
 from lightspeed.core.zero.config.zero_recipe import (
     config_offloads_optimizer,
     config_stage,
@@ -55,6 +61,7 @@ from lightspeed.core.zero.engine import (
     save_zero_checkpoint,
 )
 from lightspeed.core.zero.leaf_modules import LeafModules
+from lightspeed.core.zero.nvme_swapping import size_nvme_swapping
 from lightspeed.core.zero.runtime import (
     check_device_of_local_rank,
     check_precision_supported,
@@ -120,6 +127,7 @@ class ZeroSession:
         self.own_checkpoint_paths = False  # see save_target; the Ray front end sets it
         self._info = info
         self._config_logged = False
+        self._sizes_waiting: list[str] = []  # "auto" sizes resolved before the model was built
         self._step_restores: list[Callable[[], None]] = []  # per-step overrides, undone after the next step
         self._pending_norm: torch.Tensor | None = None  # returned by clip_at_step, filled in by the next step
         self._placement: tuple[str, int | None, int] | None = None  # set by start_process
@@ -206,7 +214,10 @@ class ZeroSession:
         to log (:meth:`log_config`). Under sequence parallelism DeepSpeed's batch arithmetic counts data-parallel
         groups, not ranks."""
         facts = dataclasses.replace(facts, world_size=self.sequence_parallel.data_parallel_size(facts.world_size))
+        self._sizes_waiting = sizes_waiting_for_the_model(config) if facts.hidden_size is None else []
         self.config, notes = resolve_config_with_notes(config, facts)
+        if self._sizes_waiting:  # derived from the model when its engine is built (build_engine)
+            notes = [note for note in notes if not note.startswith(UNKNOWN_HIDDEN_SIZE_NOTE)]
         return notes
 
     def log_config(self, notes: list[str]) -> None:
@@ -222,6 +233,22 @@ class ZeroSession:
         if global_rank() == 0:
             logger.debug("resolved DeepSpeed config\n%s", describe_config(self.config))
         self._config_logged = True
+
+    def _fill_sizes_from(self, model: torch.nn.Module, config: dict[str, Any]) -> None:
+        """The bucket sizes a config resolved before the model was built (``configure_model``) leaves to DeepSpeed's
+        defaults, derived from the built model's hidden size now: DeepSpeed's 5e8-element reduce bucket would hold
+        every gradient of a model of a few hundred million parameters at once."""
+        waiting, self._sizes_waiting = self._sizes_waiting, []
+        if not waiting or "zero_optimization" not in config:
+            return
+        hidden = find_hidden_size(model)
+        if hidden is None:
+            self._info(f"lightspeed: {UNKNOWN_HIDDEN_SIZE_NOTE}{', '.join(waiting)}.")
+            return
+        filled = fill_sizes_from_the_model(config, waiting, hidden)
+        if filled:
+            sizes = ", ".join(f"{name}={config['zero_optimization'][name]}" for name in filled)
+            self._info(f"lightspeed: from the built model's hidden size {hidden}: {sizes}")
 
     # ------------------------------------------------------------------ torch.compile
     def take_over_compile(self, request: CompileRequest, device_kind: str | None) -> None:
@@ -272,7 +299,8 @@ class ZeroSession:
     ) -> tuple[Any, Any, Any]:
         """``(engine, optimizer, scheduler)`` for ``model`` under ``config`` (default: the config in force), on this
         process's device: the activation checkpointing policy applied first when ``training``, ZeRO-3 leaf modules
-        marked, compiled when asked; under sequence parallelism Ulysses attention installed on the model first."""
+        marked, compiled when asked; under sequence parallelism Ulysses attention installed on the model first; NVMe
+        swap buffers sized from the model."""
         if self._placement is None:
             raise RuntimeError("ZeroSession.build_engine runs in a process set up by start_process")
         device_kind, device_index, local_rank = self._placement
@@ -283,6 +311,8 @@ class ZeroSession:
                 self._info(message)
         self.prepare_compile(model, config, device_kind)
         self.sequence_parallel.check_config(config_stage(config), config.get("zero_optimization") or {})
+        self._fill_sizes_from(model, config)
+        size_nvme_swapping(config, model, torch.distributed.get_world_size())
         mpu = self.sequence_parallel.install(model, compiled=self.compile_request is not None)
         engine, deepspeed_optimizer, deepspeed_scheduler = initialize_engine(
             config,

@@ -22,6 +22,9 @@ from lightspeed.core.zero.config.validation import validate_keys
 
 _MISSING = object()
 
+#: how the note on bucket sizes left to DeepSpeed's defaults (no hidden size known) begins
+UNKNOWN_HIDDEN_SIZE_NOTE = "The model's hidden size is unknown, so DeepSpeed's defaults are used for "
+
 # zero_optimization keys derived from the hidden size h, under both the JSON name and the pydantic field name
 # (DeepSpeed's model accepts either).
 _REDUCE_BUCKET = ("reduce_bucket_size",)
@@ -32,6 +35,44 @@ _ALLGATHER_BUCKET = ("allgather_bucket_size",)
 _OPTIMIZER_EXAMPLES = {"lr": "0.001", "betas": "[0.9, 0.999]", "eps": "1e-08", "weight_decay": "0.01"}
 _SCHEDULER_LR_KEYS = ("warmup_max_lr", "cycle_max_lr")
 _SCHEDULER_TOTAL_STEPS_KEYS = ("total_num_steps",)
+
+
+def _derived_sizes(hidden: int | None) -> tuple[tuple[tuple[str, ...], int | None], ...]:
+    """The ``zero_optimization`` sizes ``"auto"`` stands for with the model's hidden size (None: unknown)."""
+    h = hidden
+    return (
+        (_REDUCE_BUCKET, None if h is None else h * h),
+        (_PREFETCH_BUCKET, None if h is None else int(0.9 * h * h)),
+        (_PERSISTENCE_THRESHOLD, None if h is None else 10 * h),
+        (_ALLGATHER_BUCKET, None),  # DeepSpeed's default is better than anything derived from h
+    )
+
+
+def sizes_waiting_for_the_model(config: dict[str, Any]) -> list[str]:
+    """The ``zero_optimization`` keys of ``config`` (not yet resolved) that are ``"auto"`` and derived from the
+    model's hidden size: what :func:`resolve_config` leaves to DeepSpeed's defaults while the model is not built."""
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return []
+    return [
+        name
+        for names, _ in _derived_sizes(1)
+        for name in names
+        if name not in _ALLGATHER_BUCKET and zero.get(name) == AUTO
+    ]
+
+
+def fill_sizes_from_the_model(config: dict[str, Any], keys: list[str], hidden: int) -> list[str]:
+    """Set ``keys`` (from :func:`sizes_waiting_for_the_model`) in ``config``'s ``zero_optimization`` from the hidden
+    size, where they are still absent (DeepSpeed's defaults); returns the keys set."""
+    zero = config["zero_optimization"]
+    filled = []
+    for names, value in _derived_sizes(hidden):
+        for name in names:
+            if name in keys and name not in zero and value is not None:
+                zero[name] = value
+                filled.append(name)
+    return filled
 
 
 def _show(value: Any) -> str:
@@ -186,15 +227,8 @@ class _Resolver:
         zero = self.config.get("zero_optimization")
         if not isinstance(zero, dict):
             return
-        h = self.facts.hidden_size
-        derived = (
-            (_REDUCE_BUCKET, None if h is None else h * h),
-            (_PREFETCH_BUCKET, None if h is None else int(0.9 * h * h)),
-            (_PERSISTENCE_THRESHOLD, None if h is None else 10 * h),
-            (_ALLGATHER_BUCKET, None),  # DeepSpeed's default is better than anything derived from h
-        )
         dropped = []
-        for names, value in derived:
+        for names, value in _derived_sizes(self.facts.hidden_size):
             for name in names:
                 if zero.get(name) != AUTO:
                     continue
@@ -206,7 +240,7 @@ class _Resolver:
                     zero[name] = value
         if dropped:
             self.notes.append(
-                "The model's hidden size is unknown, so DeepSpeed's defaults are used for "
+                UNKNOWN_HIDDEN_SIZE_NOTE
                 + ", ".join(dropped)
                 + ". Write numbers into the DeepSpeed config to tune them."
             )

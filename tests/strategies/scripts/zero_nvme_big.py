@@ -1,0 +1,91 @@
+"""Worker: fine-tune the pretrained Llama of ``_support.big_model`` (built in ``configure_model`` straight into
+ZeRO-3 partitions) for a few steps under the Trainer on 2 ranks, export it with ``ZeroExport``, and record each
+rank's memory.
+
+usage: zero_nvme_big.py OUT STRATEGY STEPS [--hidden H --layers N --vocab V]
+       (OUT/pretrained: the pretrained files; OUT/nvme: the NVMe path; the export goes to OUT/export)
+
+Each rank writes OUT/memory_<rank>.json: its peak resident size (VmHWM) after the imports, after the model is built
+(``configure_model``), after the last step and at the end (the export included), and the wall time of each step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightspeed
+from _support import big_model
+from _support.trainers import quiet_trainer
+
+
+def peak_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+class FineTune(L.LightningModule):
+    def __init__(self, pretrained: Path, record: dict[str, Any]) -> None:
+        super().__init__()
+        self.pretrained, self.record = pretrained, record
+        self._step_started = 0.0
+
+    def configure_model(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if hasattr(self, "model"):
+            return
+        self.model = AutoModelForCausalLM.from_pretrained(self.pretrained)
+        self.model.train()
+        self.record["built_peak"] = peak_bytes()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.record["step_seconds"].append(time.perf_counter() - self._step_started)
+        self.record["steps_peak"] = peak_bytes()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return big_model.lm_loss(self.model, batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return big_model.optimizer(self)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("strategy")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--hidden", type=int, default=big_model.BigModelShape.hidden)
+    parser.add_argument("--layers", type=int, default=big_model.BigModelShape.layers)
+    parser.add_argument("--vocab", type=int, default=big_model.BigModelShape.vocab)
+    args = parser.parse_args()
+    os.environ.setdefault("LIGHTSPEED_NVME_PATH", str(args.out / "nvme"))
+    record: dict[str, Any] = {"imported_peak": peak_bytes(), "step_seconds": []}
+    trainer = quiet_trainer(
+        strategy=args.strategy,
+        accelerator="cpu",
+        devices=big_model.WORLD,
+        max_steps=args.steps,
+        callbacks=[lightspeed.callbacks.ZeroExport(args.out / "export", strip_prefix="model.")],
+    )
+    data = DataLoader(TensorDataset(big_model.tokens(args.vocab)), batch_size=big_model.BATCH, shuffle=True)
+    trainer.fit(FineTune(args.out / "pretrained", record), data)
+    record["end_peak"] = peak_bytes()
+    (args.out / f"memory_{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
