@@ -123,14 +123,19 @@ def test_nvme_keeps_states_on_disk_and_only_swap_buffers_in_host_memory():
     cpu = estimate_option(OPTIONS["zero3_offload"], counts, Cluster(8, nodes=2), accounting)
     assert nvme.device == cpu.device
     assert nvme.nvme_per_node == 18 * 10_000_000_000 // 2  # 2 (16-bit) + 4 (fp32) + 12 (master + moments) per node
-    # 8 processes x (5 parameter buffers of 1e8 16-bit elements + 4 fp32 buffers of one 1e9-element sub-group)
-    assert nvme.host.params == 8 * 5 * 100_000_000 * 2
-    assert nvme.host.optimizer == 8 * 4 * 4 * 625_000_000  # sub-group = the whole 625M partition (< 1e9)
-    # DeepSpeed's default sub-group (1e9) makes the optimizer buffers as big as the partition; a smaller
-    # sub_group_size is what makes NVMe save host memory
-    small = estimate_option(OPTIONS["zero3_nvme"], counts, Cluster(8, nodes=2), Accounting(sub_group_size=100_000_000))
-    assert small.host.optimizer == 8 * 4 * 4 * 100_000_000
-    assert small.host.steady < cpu.host.steady / 3
+    # swapping sized from the model: the largest layer's partition over 16 processes is 6.25M elements; each of a
+    # node's 8 processes holds 3 parameter buffers of it and the largest layer in full (16-bit), the optimizer's 4
+    # fp32 buffers for one sub-group (one parameter), and its gradient partition (625M 16-bit elements)
+    assert nvme.host.params == 8 * (3 * 6_250_000 + 100_000_000) * 2
+    assert nvme.host.optimizer == 8 * 4 * 4 * 6_250_000
+    assert nvme.host.grads == 8 * 2 * 625_000_000
+    assert nvme.host.steady < cpu.host.steady / 3
+    # a sub_group_size of the user's: a sub-group closes once it reaches it, so up to sub_group_size + partition - 1
+    grouped = estimate_option(
+        OPTIONS["zero3_nvme"], counts, Cluster(8, nodes=2), Accounting(sub_group_size=100_000_000)
+    )
+    assert grouped.host.optimizer == 8 * 4 * 4 * 106_249_999
+    assert grouped.host.params == 8 * (3 * 106_249_999 + 100_000_000) * 2
 
 
 def test_nodes_divide_host_memory_per_node():

@@ -6,7 +6,8 @@ usage: zero_nvme_big.py OUT STRATEGY STEPS [--hidden H --layers N --vocab V]
        (OUT/pretrained: the pretrained files; OUT/nvme: the NVMe path; the export goes to OUT/export)
 
 Each rank writes OUT/memory_<rank>.json: its peak resident size (VmHWM) after the imports, after the model is built
-(``configure_model``), after the last step and at the end (the export included), and the wall time of each step.
+(``configure_model``), after the last step and at the end (the export included), the wall time and the bytes read
+and written of each step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from _support import big_model
 from _support.trainers import quiet_trainer
 
 
+def io_bytes() -> tuple[int, int]:
+    """Bytes this process (all of its threads: DeepSpeed's async I/O too) has read from and written to storage."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
 def peak_bytes() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -39,6 +46,7 @@ class FineTune(L.LightningModule):
         super().__init__()
         self.pretrained, self.record = pretrained, record
         self._step_started = 0.0
+        self._io_started = (0, 0)
 
     def configure_model(self) -> None:
         from transformers import AutoModelForCausalLM
@@ -51,9 +59,12 @@ class FineTune(L.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
+        self._io_started = io_bytes()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.record["step_seconds"].append(time.perf_counter() - self._step_started)
+        read, written = io_bytes()
+        self.record["step_io"].append((read - self._io_started[0], written - self._io_started[1]))
         self.record["steps_peak"] = peak_bytes()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -73,7 +84,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=big_model.BigModelShape.vocab)
     args = parser.parse_args()
     os.environ.setdefault("LIGHTSPEED_NVME_PATH", str(args.out / "nvme"))
-    record: dict[str, Any] = {"imported_peak": peak_bytes(), "step_seconds": []}
+    record: dict[str, Any] = {"imported_peak": peak_bytes(), "step_seconds": [], "step_io": []}
     trainer = quiet_trainer(
         strategy=args.strategy,
         accelerator="cpu",

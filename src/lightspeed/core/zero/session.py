@@ -238,11 +238,13 @@ class ZeroSession:
         """The bucket sizes a config resolved before the model was built (``configure_model``) leaves to DeepSpeed's
         defaults, derived from the built model's hidden size now: DeepSpeed's 5e8-element reduce bucket would hold
         every gradient of a model of a few hundred million parameters at once."""
-        waiting, self._sizes_waiting = self._sizes_waiting, []
-        if not waiting or "zero_optimization" not in config:
+        zero = config.get("zero_optimization")
+        waiting = [name for name in self._sizes_waiting if isinstance(zero, dict) and name not in zero]
+        if not waiting:  # nothing left to DeepSpeed's defaults in this config (each engine's config is filled once)
             return
         hidden = find_hidden_size(model)
         if hidden is None:
+            self._sizes_waiting = []
             self._info(f"lightspeed: {UNKNOWN_HIDDEN_SIZE_NOTE}{', '.join(waiting)}.")
             return
         filled = fill_sizes_from_the_model(config, waiting, hidden)

@@ -43,7 +43,8 @@ class ZeroRunKeywords(TypedDict, total=False):
         prefetch_bucket_size: elements of parameters ZeRO-3 fetches ahead; ``"auto"``: 0.9·h² ["auto"].
         param_persistence_threshold: ZeRO-3 keeps parameters with at most this many elements whole on every rank;
             ``"auto"``: 10·h; ``0`` partitions every parameter, however small ["auto"].
-        sub_group_size: ZeRO-3 optimizer sub-group size (elements); None: DeepSpeed's default [None].
+        sub_group_size: ZeRO-3 optimizer sub-group size (elements); None: DeepSpeed's default (one parameter per
+            sub-group with the optimizer on NVMe) [None].
         activation_checkpointing_policy: module classes (a set, e.g. ``{Block}``) whose instances' forward runs under
             ``deepspeed.checkpointing.checkpoint`` in training: only their inputs are kept for the backward pass,
             which runs their forward again. Applied before the engine is built; the model's code stays as it is

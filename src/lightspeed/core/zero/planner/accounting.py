@@ -108,10 +108,13 @@ class Accounting:
     zero_init: bool = False
     """ZeRO-3 only: the model is built partitioned (``deepspeed.zero.Init``, Lightning's ``configure_model``), so a
     process never holds more than the largest layer in full. Without it each process first builds the whole model."""
-    nvme_param_buffer_count: int = 5
-    nvme_param_buffer_size: int = 100_000_000
+    nvme_param_buffer_count: int = 3
+    """ZeRO-3 NVMe: parameter swap buffers per process (lightspeed: the parameters one module holds at once + 1)."""
+    nvme_param_buffer_size: int | None = None
+    """ZeRO-3 NVMe: elements per parameter swap buffer; None: the largest partition, as lightspeed sizes it."""
     nvme_optimizer_buffer_count: int = 4
-    sub_group_size: int = 1_000_000_000
+    sub_group_size: int | None = None
+    """ZeRO-3 NVMe: the optimizer's sub-group size; None: one parameter per sub-group, as lightspeed sets it."""
     bf16_master_weights_and_grads: bool = False
     """DeepSpeed's bf16 master weights and gradients (the strategies' argument of the same name): 2 bytes each."""
     bf16_optimizer_states: bool = False
@@ -260,10 +263,17 @@ def estimate_option(
             host_grads = mb * per_node
             host_optimizer = master_and_states * per_node
         if option.offload_optimizer == "nvme":
-            # DeepSpeed's swappers keep pinned buffers: one set for parameters, one (fp32 weights, gradient and
-            # each moment of the largest sub-group) for the optimizer; everything else is on disk
-            host_params = g * accounting.nvme_param_buffer_count * accounting.nvme_param_buffer_size * pb
-            sub_group = min(accounting.sub_group_size, math.ceil(per_device))
+            # swapping sized from the model (core/zero/nvme_swapping.py): per process the gradient partition
+            # (DeepSpeed always allocates it, in the parameters' dtype), the parameter swap buffers, one full copy of
+            # the largest parameter (DeepSpeed's partitioned swap buffer) and the optimizer swapper's fp32 buffers for
+            # one sub-group (the weights, gradient and each moment); everything else is on disk
+            partition = math.ceil(largest / cluster.total_devices)
+            sub_group = partition
+            if accounting.sub_group_size is not None:
+                sub_group = min(math.ceil(per_device), accounting.sub_group_size + partition - 1)
+            buffer = accounting.nvme_param_buffer_size or max(partition, sub_group)
+            host_params = g * (accounting.nvme_param_buffer_count * buffer + largest) * pb
+            host_grads = pb * per_node
             host_optimizer = g * accounting.nvme_optimizer_buffer_count * FP32_BYTES * sub_group
             nvme = (pb + mb + master_and_states) * per_node
         elif option.offload_parameters == "nvme":
