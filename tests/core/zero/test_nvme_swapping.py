@@ -15,7 +15,12 @@ from torch import nn
 from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config import AUTO, zero_preset
 from lightspeed.core.zero.config.resolution import fill_sizes_from_the_model, sizes_waiting_for_the_model
-from lightspeed.core.zero.nvme_swapping import largest_partition, parameters_held_at_once, size_nvme_swapping
+from lightspeed.core.zero.nvme_swapping import (
+    largest_partition,
+    parameters_held_at_once,
+    size_nvme_swapping,
+    sized_parameter_swapper,
+)
 
 
 class Block(nn.Module):
@@ -120,3 +125,29 @@ def test_bucket_sizes_resolved_before_the_model_was_built_are_taken_from_it_afte
     }
     explicit = zero_preset(3, reduce_bucket_size=1000, prefetch_bucket_size=10, param_persistence_threshold=0)
     assert sizes_waiting_for_the_model(explicit) == []
+
+
+@pytest.mark.parametrize(
+    ("config", "grows"),
+    [
+        (nvme_config(), True),
+        (zero_preset(3, "cpu", "cpu"), False),
+        ({**nvme_config(), "aio": {"use_gds": True}}, False),  # GPUDirect Storage keeps its buffers on the GPU
+    ],
+)
+def test_a_partitioned_build_gets_the_growing_swapper_only_where_lightspeed_sizes_nvme(
+    config: dict[str, Any], grows: bool
+) -> None:
+    from deepspeed.runtime.zero import partition_parameters
+
+    original = partition_parameters.AsyncPartitionedParameterSwapper
+    with sized_parameter_swapper(config):
+        during = partition_parameters.AsyncPartitionedParameterSwapper
+    assert partition_parameters.AsyncPartitionedParameterSwapper is original
+    assert (during is not original) == grows
+    if grows:
+        assert issubclass(during, original) and hasattr(during, "resize")
+    user_sized = nvme_config()
+    user_sized["zero_optimization"]["offload_param"]["buffer_size"] = 10**6
+    with sized_parameter_swapper(user_sized):
+        assert partition_parameters.AsyncPartitionedParameterSwapper is original

@@ -172,10 +172,13 @@ def _growing_swapper_class() -> type:
 def sized_parameter_swapper(config: dict[str, Any]) -> Iterator[None]:
     """Within the block, a ``zero.Init`` under ``config`` with parameters on NVMe and no ``offload_param.buffer_size``
     of the user's starts its parameter swapper small and grows it to the model's partitions (see the module's
-    docstring); otherwise a no-op. Enter it before ``zero.Init``."""
+    docstring); otherwise (and with GPUDirect Storage, ``aio.use_gds``, whose buffers live on the GPU) a no-op. Enter
+    it before ``zero.Init``."""
     zero = config.get("zero_optimization")
     offload = zero.get("offload_param") if isinstance(zero, dict) else None
-    if not (isinstance(offload, dict) and offload.get("device") == "nvme" and "buffer_size" not in offload):
+    direct_to_gpu = bool((config.get("aio") or {}).get("use_gds"))  # GPUDirect Storage: buffers on the device
+    sized_by_lightspeed = isinstance(offload, dict) and offload.get("device") == "nvme" and "buffer_size" not in offload
+    if not sized_by_lightspeed or direct_to_gpu:
         yield
         return
     from deepspeed.runtime.zero import partition_parameters
