@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from process_memory import reset_peak, status_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _support.process_memory import reset_peak, status_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20

@@ -26,8 +26,10 @@ import time
 from pathlib import Path
 
 import torch
-from process_memory import reset_peak, status_bytes
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _support.process_memory import reset_peak, status_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

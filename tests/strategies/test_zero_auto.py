@@ -21,21 +21,28 @@ STEPS, DEVICES, BATCH, MARGIN = 4, 2, 4, 0.2
 ACCOUNTING = Accounting(precision="32-true")  # the Trainer's default precision on the CPU
 
 
-def _host_budget_choosing(name: str, module: torch.nn.Module) -> int:
-    """Host memory (CPU ranks share it) in which ``name`` is the fastest option that fits, checked with the planner."""
+def _budgets_choosing(name: str, module: torch.nn.Module, memory: str) -> dict[str, int | None]:
+    """``ZeroAutoStrategy`` budgets in which ``name`` is the fastest option that fits, checked with the planner:
+    ``memory="host"`` is host memory that the CPU ranks share; ``"device"`` a device budget as on an accelerator
+    (with host memory to spare), the one way to make optimizer offload pay on a machine of CPU ranks."""
     counts, cluster = count_parameters(module), Cluster(DEVICES)
     estimate = next(e for e in estimate_all(counts, cluster, ACCOUNTING) if e.option.name == name)
-    budget = int((DEVICES * estimate.device.total + estimate.host.total) / (1 - MARGIN)) + 16
-    chosen = plan(counts, cluster, Budgets(None, budget), ACCOUNTING, MARGIN).choice
+    if memory == "host":
+        budgets = Budgets(None, int(DEVICES * estimate.cpu_process_peak / (1 - MARGIN)) + 16)
+    else:
+        budgets = Budgets(int(estimate.device.total / (1 - MARGIN)) + 16, 2**40)
+    chosen = plan(counts, cluster, budgets, ACCOUNTING, MARGIN).choice
     assert chosen is not None and chosen.estimate.option.name == name, "test set-up: budget does not isolate the option"
-    return budget
+    if memory == "host":
+        return {"host_memory": budgets.host_memory}
+    return {"device_memory": budgets.device_memory, "host_memory": budgets.host_memory}
 
 
 CASES = {
     "measured": ("regression", {}),
-    "tight_zero2": ("regression", {"host_memory": "zero2"}),
-    "zero3_optimizer_offload": ("deep", {"host_memory": "zero3_offload_optimizer"}),
-    "zero3_configure_model": ("deep_configure", {"host_memory": "zero3_offload_optimizer"}),
+    "tight_zero2": ("regression", {"host": "zero2"}),
+    "zero3_optimizer_offload": ("deep", {"device": "zero3_offload_optimizer"}),
+    "zero3_configure_model": ("deep_configure", {"device": "zero3_offload_optimizer"}),
     "nothing_fits": ("regression", {"host_memory": 1000}),
 }
 
@@ -46,9 +53,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cases = []
     for name, (model, kwargs) in CASES.items():
         kwargs = dict(kwargs)
-        if isinstance(kwargs.get("host_memory"), str):
-            module = RegressionModule() if model == "regression" else DeepRegressionModule()
-            kwargs["host_memory"] = _host_budget_choosing(kwargs["host_memory"], module)
+        for memory in ("host", "device"):
+            if memory in kwargs:
+                module = RegressionModule() if model == "regression" else DeepRegressionModule()
+                kwargs.update(_budgets_choosing(kwargs.pop(memory), module, memory))
         cases.append({"name": name, "model": model, "kwargs": kwargs})
     run_torchrun(SCRIPT, DEVICES, [out, json.dumps(cases), "--steps", STEPS, "--batch", BATCH])
     return out
@@ -115,11 +123,11 @@ def test_tight_host_memory_moves_to_zero2(results, regression_reference):
 
 
 @pytest.mark.parametrize("name", ["zero3_optimizer_offload", "zero3_configure_model"])
-def test_tighter_host_memory_moves_to_zero3_with_optimizer_offload(results, deep_reference, name):
+def test_tight_device_memory_moves_to_zero3_with_optimizer_offload(results, deep_reference, name):
     meta = _meta(results, name)
     assert meta["chosen"] == "zero3_offload_optimizer"  # the first option that fits: ZeRO-2 offload did not
-    assert "zero2_offload: too big: host" in "\n".join(meta["logged"])
-    assert "zero3: too big: host" in "\n".join(meta["logged"])
+    assert "zero2_offload: too big: device" in "\n".join(meta["logged"])
+    assert "zero3: too big: device" in "\n".join(meta["logged"])
     zero = meta["config"]["zero_optimization"]
     assert zero["stage"] == 3
     assert zero["offload_optimizer"]["device"] == "cpu"
@@ -131,11 +139,14 @@ def test_tighter_host_memory_moves_to_zero3_with_optimizer_offload(results, deep
 def test_nothing_fits_stops_with_what_would(results):
     error = _meta(results, "nothing_fits")["error"]
     assert error.startswith("No ZeRO option fits 708 parameters on 1 node(s) x 2 device(s) with a 20% safety margin.")
-    # 1000 bytes of host memory, 80% usable; the smallest option (ZeRO-2 offload for this model) needs kilobytes
+    # 1000 bytes of host memory, 80% usable; the smallest option on CPU ranks (ZeRO-2, the first of those that tie
+    # with it) needs kilobytes
     counts = count_parameters(RegressionModule())
-    smallest = next(e for e in estimate_all(counts, Cluster(DEVICES), ACCOUNTING) if e.option.name == "zero2_offload")
-    need = format_size(DEVICES * smallest.device.total + smallest.host.total)
-    assert f"The smallest, zero2_offload, is too big: host {need} of {format_size(800)} usable" in error
+    estimates = estimate_all(counts, Cluster(DEVICES), ACCOUNTING)
+    smallest = next(e for e in estimates if e.option.name == "zero2")
+    assert smallest.cpu_process_peak == min(e.cpu_process_peak for e in estimates)
+    need, each = format_size(DEVICES * smallest.cpu_process_peak), format_size(smallest.cpu_process_peak)
+    assert f"The smallest, zero2, is too big: host {need} ({each} per process) of {format_size(800)}" in error
     assert error.endswith("use a smaller model or devices with more memory.")
 
 

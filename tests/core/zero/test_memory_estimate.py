@@ -26,6 +26,7 @@ from lightspeed.core.zero.planner import (
     estimate_all,
     estimate_option,
     explain_no_fit,
+    format_size,
     format_table,
     measure_budgets,
     parse_count,
@@ -190,12 +191,54 @@ def test_budget_boundary_applies_the_safety_margin():
 def test_cpu_processes_share_host_memory():
     counts, cluster = ModelCounts(50_000_000, 1_000_000), Cluster(2)
     e = estimate_option(OPTIONS["zero1"], counts, cluster, Accounting(precision="32-true"))
-    shared_need = 2 * e.device.total + e.host.total
+    shared_need = 2 * e.cpu_process_peak
     fits = plan(counts, cluster, Budgets(None, int(shared_need / 0.8) + 8), Accounting(precision="32-true"))
     assert fits.choice.estimate.option.name == "zero1"
+    assert f"({format_size(e.cpu_process_peak)} per process)" in fits.choice.reason
     assert "devices share host memory" in fits.choice.reason
     tight = plan(counts, cluster, Budgets(None, int(shared_need / 0.8) - 8), Accounting(precision="32-true"))
     assert tight.choice.estimate.option.name != "zero1"
+    judged = "each option is judged by its measured peak per process (below the table)"
+    assert judged in format_table(fits)
+    assert judged not in format_table(plan(counts, cluster, Budgets(80 * GIB, 512 * GIB)))
+
+
+# The peak of one CPU process, term by term (fp32, AdamW, 2 ranks): N parameters, M = 4 N bytes (the model one
+# process builds, and the ZeRO-3 model gathered until backward), P = 4 N / 2 (a partition of fp32 values).
+N, LARGEST = 50_000_000, 4_000_000
+M, P = 4 * N, 4 * N // 2
+
+
+def _cpu_peak(name: str, **accounting: object) -> int:
+    accounting.setdefault("precision", "32-true")
+    estimate = estimate_option(OPTIONS[name], ModelCounts(N, LARGEST), Cluster(2), Accounting(**accounting))
+    return estimate.cpu_process_peak
+
+
+def test_cpu_peak_of_zero2_counts_the_built_model_once():
+    # weights (the built model itself), 16-bit and fp32 gradient partitions, master + Adam moments, the step's
+    # out-of-place denominator
+    assert _cpu_peak("zero2") == M + P + P + 3 * P + P
+    assert _cpu_peak("zero1") == M + M + P + 3 * P + P  # full gradients on every rank
+
+
+def test_cpu_peak_of_zero3_holds_the_gathered_model():
+    # partition of weights, gradient partition, master + moments, the step's temporary, the model gathered
+    assert _cpu_peak("zero3") == P + P + 3 * P + P + M
+    assert _cpu_peak("zero3_offload") == _cpu_peak("zero3") == _cpu_peak("zero3", zero_init=True)
+    # at most stage3_max_live_parameters (1e9) stay gathered
+    big = estimate_option(OPTIONS["zero3"], ModelCounts(4 * 10**9, 10**8), Cluster(2), Accounting("32-true"))
+    assert big.cpu_process_peak == 6 * (4 * 4 * 10**9 // 2) + 4 * 10**9
+
+
+def test_cpu_peak_of_zero3_nvme_is_the_built_model_and_the_swap_buffers():
+    partition = LARGEST // 2  # of the largest parameter: one parameter swap buffer, one optimizer sub-group
+    parameter_buffers = (3 * partition + LARGEST) * 4  # 3 buffers + DeepSpeed's partitioned swap buffer
+    optimizer_buffers = 4 * 4 * partition
+    assert _cpu_peak("zero3_nvme") == M + parameter_buffers + optimizer_buffers
+    # built partitioned: the steady state (gathered layer and its gradient, the gradient partition, the buffers)
+    steady = 2 * 4 * LARGEST + P + parameter_buffers + optimizer_buffers
+    assert _cpu_peak("zero3_nvme", zero_init=True) == steady
 
 
 def test_nvme_needs_a_path_and_a_usable_async_io():
@@ -391,3 +434,11 @@ def test_measure_budgets_takes_overrides_and_measures_the_rest(tmp_path, monkeyp
     assert nvme.nvme_unusable == "no async_io here"  # NVMe budgets say whether the offload can run at all
     assert abs(nvme.nvme_free - shutil.disk_usage(tmp_path).free) < 256 * 2**20  # the nearest existing parent
     assert measure_budgets(host_memory=GIB).nvme_unusable is None  # no path: async_io is not probed
+
+
+def test_cpu_peak_of_a_partial_offload_counts_a_second_optimizer_partition():
+    # offloading part of the states to "the CPU" frees nothing on CPU ranks; DeepSpeed's offload buffers come on top
+    second_copy = (4 + 4 + 8) * N // 2  # fp32 master weights and gradient, Adam's moments: one partition
+    assert _cpu_peak("zero2_offload") == _cpu_peak("zero2") + second_copy
+    assert _cpu_peak("zero3_offload_optimizer") == _cpu_peak("zero3") + second_copy
+    assert _cpu_peak("zero3_offload_params") == _cpu_peak("zero3") + second_copy

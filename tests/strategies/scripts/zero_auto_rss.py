@@ -1,13 +1,13 @@
-"""Worker: peak resident memory of short CPU ZeRO runs of a ~50M-parameter MLP, one ZeRO stage after another.
+"""Worker: peak resident memory of short CPU ZeRO runs of an MLP, one ZeRO option after another.
 
-Each rank first warms every strategy up on a tiny model (so code, threads and DeepSpeed's caches are loaded), then
-for each strategy: frees what it can, notes the resident memory as the baseline, resets the kernel's peak counter
-(/proc/self/clear_refs), builds the model, trains 2 steps and reads the peak (VmHWM). Writes rank<N>.json.
+Each rank first warms every option up on a tiny model (so code, threads and DeepSpeed's caches are loaded), then
+for each option: frees what it can, notes the resident memory as the baseline, resets the kernel's peak counter,
+builds the model, trains 2 steps and reads the peak (VmHWM).
 
-usage: zero_auto_rss.py OUT_DIR STAGES --width W --depth D --batch B [--config JSON]
-STAGES are ZeRO stages of a lightspeed ZeroStrategy, comma-separated ("2,3"), measured in that order in the same
-processes (one launch instead of one per stage); --config is merged into each DeepSpeed config.
-Writes rank<N>_stage<S>.json per stage.
+usage: zero_auto_rss.py OUT_DIR OPTIONS --width W --depth D --batch B [--config JSON] [--nvme-path DIR]
+OPTIONS are names of the planner's ZeRO options, comma-separated ("zero2,zero3,zero3_offload,zero3_nvme"),
+measured in that order in the same processes (one launch instead of one per option); --config is merged into each
+DeepSpeed config; --nvme-path is where zero3_nvme swaps. Writes rank<N>_<option>.json per option.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import ctypes
 import gc
 import json
 import os
-import re
+import shutil
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -26,7 +27,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightspeed  # noqa: F401  (registers the strategy names)
+from _support.process_memory import reset_peak, status_bytes
 from _support.trainers import quiet_trainer
+from lightspeed.core.zero.planner import ZERO_OPTIONS
 
 
 class WideMLP(L.LightningModule):
@@ -42,10 +45,6 @@ class WideMLP(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-def _status_kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
-
-
 def _release() -> None:
     gc.collect()
     try:
@@ -54,44 +53,54 @@ def _release() -> None:
         pass
 
 
-def _fit(stage: int, config: dict, model: L.LightningModule, width: int, batch: int, steps: int) -> L.Trainer:
+def _fit(name: str, args: argparse.Namespace, model: L.LightningModule, width: int, steps: int) -> L.Trainer:
     from lightspeed.strategies.zero import ZeroStrategy
 
-    data = TensorDataset(torch.randn(batch * 2 * steps, width), torch.randn(batch * 2 * steps, width))
-    trainer = quiet_trainer(
-        strategy=ZeroStrategy(stage=stage, config=config),
-        accelerator="cpu",
-        devices=2,
-        max_steps=steps,
+    option = next(option for option in ZERO_OPTIONS if option.name == name)
+    nvme: dict[str, Any] = {}
+    if "nvme" in (option.offload_optimizer, option.offload_parameters):
+        nvme["nvme_path"] = args.nvme_path / f"rank{os.environ['RANK']}_{width}"
+    strategy = ZeroStrategy(
+        stage=option.stage,
+        offload_optimizer=option.offload_optimizer,
+        offload_parameters=option.offload_parameters,
+        config=json.loads(args.config),
+        **nvme,
     )
+    batch = args.batch
+    data = TensorDataset(torch.randn(batch * 2 * steps, width), torch.randn(batch * 2 * steps, width))
+    trainer = quiet_trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps)
     trainer.fit(model, DataLoader(data, batch_size=batch))
+    if nvme:
+        shutil.rmtree(nvme["nvme_path"], ignore_errors=True)
     return trainer
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("stages", type=lambda text: [int(stage) for stage in text.split(",")])
+    parser.add_argument("options", type=lambda text: text.split(","))
     parser.add_argument("--config", default="{}")
+    parser.add_argument("--nvme-path", type=Path, default=None)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--batch", type=int, default=2)
     args = parser.parse_args()
-    config = json.loads(args.config)
+    args.nvme_path = args.nvme_path or args.out / "nvme"
     rank = int(os.environ["RANK"])
 
-    for stage in args.stages:
-        _fit(stage, config, WideMLP(64, 2), 64, args.batch, 1)  # warm-up: same code paths, negligible memory
-    for stage in args.stages:
+    for name in args.options:
+        _fit(name, args, WideMLP(64, 2), 64, 1)  # warm-up: same code paths, negligible memory
+    for name in args.options:
         _release()
-        baseline = _status_kib("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+        baseline = status_bytes("VmRSS")
+        reset_peak()
         L.seed_everything(0, verbose=False)
         model = WideMLP(args.width, args.depth)
-        trainer = _fit(stage, config, model, args.width, args.batch, 2)
-        peak = _status_kib("VmHWM")
-        result = {"stage": stage, "baseline_kib": baseline, "peak_kib": peak, "steps": trainer.global_step}
-        (args.out / f"rank{rank}_stage{stage}.json").write_text(json.dumps(result))
+        trainer = _fit(name, args, model, args.width, 2)
+        peak = status_bytes("VmHWM")
+        result = {"option": name, "baseline_bytes": baseline, "peak_bytes": peak, "steps": trainer.global_step}
+        (args.out / f"rank{rank}_{name}.json").write_text(json.dumps(result))
         del model, trainer  # whatever of it stays referenced is in the next baseline
 
 

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightspeed
 from _support import big_model
+from _support.process_memory import status_bytes
 from _support.trainers import quiet_trainer
 
 
@@ -35,10 +36,7 @@ def io_bytes() -> tuple[int, int]:
 
 
 def peak_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return status_bytes("VmHWM")
 
 
 class FineTune(L.LightningModule):

@@ -11,10 +11,17 @@ parameters offloaded, to NVMe offload (pinned swap buffers in host memory, the s
 
 Only model states are counted; activations, communication buckets and the CUDA context are not (that is what the
 planner's safety margin is for).
+
+When the devices are CPU processes, device and host memory are one, and DeepSpeed's split does not describe what a
+process holds: the model the process builds *is* its ZeRO-1/2 weights (not a second copy), ZeRO-3 keeps every
+gathered layer until backward, and torch's optimizer step allocates a partition-sized temporary.
+``OptionEstimate.cpu_process_peak`` counts that composition (:func:`cpu_process_peak`), measured against the peak
+resident size of 2-rank runs at 50M and 403M parameters (``bench/planner_accuracy.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -28,6 +35,10 @@ FP32_BYTES = 4
 """fp32 master weights and fp32 gradient partitions: 4 bytes each, whatever the training precision."""
 LOAD_BYTES = 4
 """Each process builds the model in fp32 on the host before DeepSpeed partitions it (DeepSpeed counts 4 bytes)."""
+GATHERED_PARAMETERS = 10**9
+"""ZeRO-3 keeps up to ``stage3_max_live_parameters`` elements gathered between forward and backward (DeepSpeed's
+default 1e9, with its default reuse distance; lightspeed keeps both except on NVMe): on the CPU the measured peak
+holds every layer of a smaller model gathered."""
 
 
 @dataclass(frozen=True)
@@ -156,35 +167,38 @@ class Accounting:
 
 
 @dataclass(frozen=True)
-class DeviceMemory:
-    """Bytes on each accelerator."""
+class StateMemory:
+    """Bytes of the three model states in one memory: parameters, gradients and optimizer states."""
 
     params: int
     grads: int
     optimizer: int
 
     @property
-    def total(self) -> int:
+    def steady(self) -> int:
+        """The three together: what stays allocated while training."""
         return self.params + self.grads + self.optimizer
 
 
 @dataclass(frozen=True)
-class HostMemory:
+class DeviceMemory(StateMemory):
+    """Bytes on each accelerator."""
+
+    @property
+    def total(self) -> int:
+        return self.steady
+
+
+@dataclass(frozen=True)
+class HostMemory(StateMemory):
     """Bytes in the host memory of each node (all of its processes together).
 
     ``load`` is the model as the processes build it before DeepSpeed takes over; it is freed before the states
-    below are allocated, so the peak is the larger of the two, times the buffer factor.
+    are allocated, so the peak is the larger of the two, times the buffer factor.
     """
 
     load: int
-    params: int
-    grads: int
-    optimizer: int
     buffer_factor: float
-
-    @property
-    def steady(self) -> int:
-        return self.params + self.grads + self.optimizer
 
     @property
     def total(self) -> int:
@@ -199,6 +213,8 @@ class OptionEstimate:
     device: DeviceMemory
     host: HostMemory
     nvme_per_node: int
+    cpu_process_peak: int
+    """The peak resident bytes of one process when the devices are CPU processes (:func:`cpu_process_peak`)."""
 
 
 def estimate_option(
@@ -281,12 +297,63 @@ def estimate_option(
     else:
         raise MemoryPlanError(f"ZeRO stage must be 1, 2 or 3, got {option.stage}.")
 
+    device = DeviceMemory(int(dev_params), int(dev_grads), int(dev_optimizer))
+    host = HostMemory(
+        int(host_params), int(host_grads), int(host_optimizer), load=int(load), buffer_factor=accounting.buffer_factor
+    )
     return OptionEstimate(
         option=option,
-        device=DeviceMemory(int(dev_params), int(dev_grads), int(dev_optimizer)),
-        host=HostMemory(int(load), int(host_params), int(host_grads), int(host_optimizer), accounting.buffer_factor),
+        device=device,
+        host=host,
         nvme_per_node=int(nvme),
+        cpu_process_peak=cpu_process_peak(option, counts, cluster, accounting, device, host),
     )
+
+
+def cpu_process_peak(
+    option: ZeroOption,
+    counts: ModelCounts,
+    cluster: Cluster,
+    accounting: Accounting,
+    device: DeviceMemory,
+    host: HostMemory,
+) -> int:
+    """Peak resident bytes of one CPU process: DeepSpeed's device and host states of one process, with what DeepSpeed
+    on the CPU really holds instead of its estimator's assumptions (no buffer factor; the safety margin covers noise).
+
+    - ZeRO-1/2: the model the process built is its weights (DeepSpeed flattens them in place of the originals), so
+      the load is not a second copy; the optimizer step adds one fp32 partition (torch's Adam builds its denominator
+      out of place).
+    - ZeRO-3 (states in memory or offloaded to the CPU): the partitioned states, every gathered layer up to
+      ``GATHERED_PARAMETERS`` in place of the estimator's largest layer twice, and the step's partition; the model
+      built in full (without zero.Init) is below that peak.
+    - ZeRO-3 on NVMe (lightspeed's sizing: reuse distance 0, swap buffers from the model): the larger of the model
+      the process builds plus the swap buffers (both live while DeepSpeed partitions and swaps it out), and the
+      steady state (the gradient partition and the buffers).
+    - Part of the states offloaded to "the CPU" (``zero2_offload``, ``zero3_offload_optimizer``,
+      ``zero3_offload_params``): nothing leaves the process's memory, and DeepSpeed's offload buffers come on top;
+      measured 1.4-1.7x the option without offload at 50M parameters. Counted, on the safe side, as that option plus
+      a second fp32 optimizer partition (master weights, gradient, moments): 0.8-1.2x measured.
+    """
+    partial_offload = (option.offload_optimizer == "cpu") != (option.offload_parameters == "cpu")
+    if partial_offload:
+        in_memory = dataclasses.replace(option, offload_optimizer="none", offload_parameters="none")
+        second_copy = (2 * accounting.master_bytes + accounting.state_bytes) * counts.total_params
+        return estimate_option(in_memory, counts, cluster, accounting).cpu_process_peak + int(
+            second_copy / cluster.total_devices
+        )
+    g = cluster.devices_per_node
+    states = device.total + host.steady / g
+    load = host.load / g
+    step_temporary = accounting.master_bytes * counts.total_params / cluster.total_devices
+    if option.stage in (1, 2):
+        return int(max(load, states + step_temporary))
+    if option.offload_optimizer == "nvme":
+        buffers = (host.params + host.optimizer) / g
+        return int(max(load + buffers, states))
+    gathered_layer_terms = 2 * accounting.param_bytes * counts.largest_layer_params  # in device.params and .grads
+    gathered = accounting.param_bytes * min(counts.total_params, GATHERED_PARAMETERS)
+    return int(max(load, states - gathered_layer_terms + gathered + step_temporary))
 
 
 def estimate_all(

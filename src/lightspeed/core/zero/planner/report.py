@@ -42,6 +42,11 @@ def format_table(result: Plan, names: dict[str, str] | None = None) -> str:
         f"{a.buffer_factor}. Sizes in bytes: K/M/G/T = 2^10/2^20/2^30/2^40.",
         "",
     ]
+    if result.budgets.device_memory is None:
+        lines[-1:-1] = [
+            "CPU ranks hold both columns in one memory: each option is judged by its measured peak per process "
+            "(below the table), not by the sum of the columns."
+        ]
     lines.append(_HEAD)
     fmt = format_short
 
@@ -94,6 +99,7 @@ def plan_to_dict(result: Plan, names: dict[str, str] | None = None) -> dict[str,
                     "total": e.host.total,
                 },
                 "nvme_bytes_per_node": e.nvme_per_node,
+                "cpu_process_peak_bytes": e.cpu_process_peak,
                 "fits": verdict.fits,
                 "reason": verdict.reason,
             }

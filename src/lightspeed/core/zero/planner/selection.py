@@ -79,9 +79,12 @@ def assess(estimate: OptionEstimate, budgets: Budgets, cluster: Cluster, safety_
     details: list[str] = []
     host_usable = _usable(budgets.host_memory, safety_margin)
     if budgets.device_memory is None:
-        # CPU processes: the per-device states of all local processes and the host states share one memory
-        need = estimate.device.total * cluster.devices_per_node + estimate.host.total
-        text = f"host {format_size(need)} of {format_size(host_usable)} usable (devices share host memory)"
+        # CPU processes: each holds its states in the one host memory, as DeepSpeed on the CPU does
+        need = estimate.cpu_process_peak * cluster.devices_per_node
+        text = (
+            f"host {format_size(need)} ({format_size(estimate.cpu_process_peak)} per process) of "
+            f"{format_size(host_usable)} usable (devices share host memory)"
+        )
         (problems if need > host_usable else details).append(text)
     else:
         device_usable = _usable(budgets.device_memory, safety_margin)
@@ -183,7 +186,10 @@ def suggestions(result: Plan, max_nodes: int = 1024) -> list[str]:
 
 def explain_no_fit(result: Plan) -> str:
     """The error message for a plan with no fitting option: the smallest need, and what would fit."""
-    smallest = min(result.verdicts, key=lambda v: (v.estimate.device.total, v.estimate.host.total))
+    if result.budgets.device_memory is None:  # CPU processes: one memory
+        smallest = min(result.verdicts, key=lambda v: v.estimate.cpu_process_peak)
+    else:
+        smallest = min(result.verdicts, key=lambda v: (v.estimate.device.total, v.estimate.host.total))
     lines = [
         f"No ZeRO option fits {result.counts.total_params:,} parameters on {result.cluster.nodes} node(s) x "
         f"{result.cluster.devices_per_node} device(s) with a {result.safety_margin:.0%} safety margin. "
