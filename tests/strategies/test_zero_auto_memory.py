@@ -17,6 +17,7 @@ import torch
 
 from _support.launch import REPO_ROOT, run_torchrun
 from lightspeed.core.zero.planner import ZERO_OPTIONS, Accounting, Cluster, count_parameters, estimate_option
+from lightspeed.core.zero.runtime import async_io_problem
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "zero_auto_rss.py"
 WIDTH, DEPTH, BATCH, DEVICES = 2048, 12, 2, 2
@@ -25,16 +26,10 @@ TOLERANCE = 0.15
 MIB = 2**20
 
 
-def _async_io_problem() -> str | None:
-    from lightspeed.core.zero.runtime import async_io_problem
-
-    return async_io_problem()
-
-
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("zero_rss")
-    options = [name for name in OPTIONS if name != "zero3_nvme" or _async_io_problem() is None]
+    options = [name for name in OPTIONS if name != "zero3_nvme" or async_io_problem() is None]
     run_torchrun(SCRIPT, DEVICES, [out, ",".join(options), "--width", WIDTH, "--depth", DEPTH, "--batch", BATCH])
     return {name: [json.loads(path.read_text()) for path in sorted(out.glob(f"rank*_{name}.json"))] for name in options}
 
@@ -51,7 +46,7 @@ def _estimate(name: str):
 @pytest.mark.parametrize("name", OPTIONS)
 def test_peak_rss_per_rank_is_within_15_percent_of_the_plan(measured, name):
     if name not in measured:
-        pytest.skip(f"NVMe offload cannot run here: {_async_io_problem()}")
+        pytest.skip(f"NVMe offload cannot run here: {async_io_problem()}")
     planned = _estimate(name).cpu_process_peak
     ranks = measured[name]
     assert len(ranks) == DEVICES
