@@ -23,8 +23,6 @@ from lightspeed.core.reliability.staging import check_output_dir, several_models
 __all__ = [
     "ExportResult",
     "export_checkpoint_path",
-    "export_lightning_file",
-    "export_zero_checkpoint",
     "write_export_files",
 ]
 
@@ -66,20 +64,16 @@ class ExportResult:
         return cls(Path(output_dir), files, len(tensors), sum(t.nbytes for t in tensors), tied, skipped)
 
 
-def export_zero_checkpoint(
-    checkpoint: str | os.PathLike | Sequence[str | os.PathLike],
-    output_dir: str | os.PathLike,
-    options: ExportOptions,
-    progress: Progress | None = None,
+def _export_zero_checkpoint(
+    checkpoint_info: ZeroCheckpoint, output_dir: str | os.PathLike, options: ExportOptions, progress: Progress | None
 ) -> ExportResult:
-    """Write the consolidated weights of ``checkpoint`` as safetensors shards into ``output_dir``.
+    """Write the consolidated weights of the DeepSpeed checkpoint read as ``checkpoint_info`` as safetensors shards
+    into ``output_dir``.
 
     Trainable parameters come from the fp32 master partitions (exact), frozen parameters and buffers from the
     model states; floating tensors are converted to ``options.dtype``. Nothing is written unless the whole export
-    succeeds; the output directory must be empty or missing unless ``options.overwrite``.
+    succeeds.
     """
-    check_output_dir(output_dir, options.overwrite)
-    checkpoint_info = read_zero_checkpoint(checkpoint, options.tag)
     kinds = {source.name: source.kind for source in checkpoint_info.tensors}
     if options.exclude_frozen_parameters and checkpoint_info.stage == 0 and "module" in kinds.values():
         raise ExportError(
@@ -110,20 +104,18 @@ def export_zero_checkpoint(
     return _write_export(checkpoint_info, source, output_dir, options, progress)
 
 
-def export_lightning_file(
-    checkpoint: str | os.PathLike,
+def _export_lightning_file(
+    checkpoint_info: LightningFileCheckpoint,
     output_dir: str | os.PathLike,
     options: ExportOptions,
-    progress: Progress | None = None,
+    progress: Progress | None,
 ) -> ExportResult:
-    """Write the ``state_dict`` of the single-file Lightning checkpoint ``checkpoint`` as safetensors shards.
+    """Write the ``state_dict`` of a single-file Lightning checkpoint as safetensors shards.
 
     Tensors are exported as saved (the training dtype), converted to ``options.dtype`` when floating; same
-    guarantees as :func:`export_zero_checkpoint`. ``exclude_frozen_parameters`` is refused: such a file does not
-    record ``requires_grad``; ``options.tag`` is not read (see :func:`export_checkpoint_path`).
+    guarantees as :func:`_export_zero_checkpoint`. ``exclude_frozen_parameters`` is refused: such a file does not
+    record ``requires_grad``.
     """
-    check_output_dir(output_dir, options.overwrite)
-    checkpoint_info = read_lightning_file(checkpoint)
     if options.exclude_frozen_parameters:
         raise ExportError(
             f"{checkpoint_info.path}: a single-file Lightning checkpoint does not record which parameters were frozen "
@@ -142,9 +134,11 @@ def export_checkpoint_path(
 ) -> ExportResult:
     """Export ``checkpoint`` whatever its layout: a file is a single-file Lightning checkpoint, a directory a
     DeepSpeed checkpoint (its save directory or a tag folder); a list: every node's directory of a node-local
-    DeepSpeed checkpoint."""
+    DeepSpeed checkpoint. The output directory must be empty or missing unless ``options.overwrite``."""
+    check_output_dir(output_dir, options.overwrite)
     if not isinstance(checkpoint, (str, os.PathLike)):
-        return export_zero_checkpoint(list(checkpoint), output_dir, options, progress)
+        node_local = read_zero_checkpoint(list(checkpoint), options.tag)
+        return _export_zero_checkpoint(node_local, output_dir, options, progress)
     path = Path(checkpoint)
     models = several_models_in(path)
     if models:
@@ -155,8 +149,8 @@ def export_checkpoint_path(
                 f"{path} is a single-file checkpoint, which has no tags; leave out tag=... (--tag on the command "
                 "line), which only selects a tag of a DeepSpeed checkpoint directory"
             )
-        return export_lightning_file(path, output_dir, options, progress)
-    return export_zero_checkpoint(path, output_dir, options, progress)
+        return _export_lightning_file(read_lightning_file(path), output_dir, options, progress)
+    return _export_zero_checkpoint(read_zero_checkpoint(path, options.tag), output_dir, options, progress)
 
 
 def _export_models(
@@ -166,9 +160,9 @@ def _export_models(
     results: dict[str, ExportResult] = {}
     with staged_output(output_dir, options.overwrite) as staging:
         for name in models:
-            results[name] = export_zero_checkpoint(
-                path / name, staging / name, dataclasses.replace(options, overwrite=False), progress
-            )
+            checkpoint_info = read_zero_checkpoint(path / name, options.tag)
+            in_staging = dataclasses.replace(options, overwrite=False)
+            results[name] = _export_zero_checkpoint(checkpoint_info, staging / name, in_staging, progress)
     return ExportResult(
         Path(output_dir),
         [f"{name}/{file}" for name, result in results.items() for file in result.files],

@@ -44,7 +44,7 @@ def main(out: Path, stage: int) -> None:
     model = make_model()
     reference = copy.deepcopy(model)
     logged: list[str] = []
-    recipe = ModelRecipe.of(
+    recipe = ModelRecipe(
         stage, "none", "none", nvme_path=None, user_config=None, tuning=ZeroTuning(), front_end="Fabric"
     )
     session = ZeroSession(

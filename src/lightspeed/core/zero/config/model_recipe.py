@@ -68,21 +68,12 @@ class ModelRecipe:
     tuning: ZeroTuning
     front_end: str
 
-    @classmethod
-    def of(
-        cls,
-        stage: Any,
-        offload_optimizer: str | bool | None,
-        offload_parameters: str | bool | None,
-        **rest: Any,
-    ) -> ModelRecipe:
-        """The strategy's arguments, checked (``rest``: ``nvme_path``, ``user_config``, ``tuning``, ``front_end``)."""
-        return cls(
-            check_zero_stage(stage),
-            offload_target(offload_optimizer, "offload_optimizer"),
-            offload_target(offload_parameters, "offload_parameters"),
-            **rest,
-        )
+    def __post_init__(self) -> None:
+        """Check the stage and normalise the offload targets (``True`` -> ``"cpu"``, ``None``/``False`` ->
+        ``"none"``) whichever way the recipe is built."""
+        object.__setattr__(self, "stage", check_zero_stage(self.stage))
+        object.__setattr__(self, "offload_optimizer", offload_target(self.offload_optimizer, "offload_optimizer"))
+        object.__setattr__(self, "offload_parameters", offload_target(self.offload_parameters, "offload_parameters"))
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any], front_end: str) -> ModelRecipe:
@@ -90,7 +81,7 @@ class ModelRecipe:
         (:func:`~lightspeed.core.zero.config.arguments.zero_arguments`): ``stage``, the offload targets, ``nvme_path``,
         ``config`` and every :class:`~lightspeed.core.zero.config.zero_recipe.ZeroTuning` field."""
         tuning = ZeroTuning(**{field.name: arguments[field.name] for field in dataclasses.fields(ZeroTuning)})
-        return cls.of(
+        return cls(
             arguments["stage"],
             arguments["offload_optimizer"],
             arguments["offload_parameters"],
