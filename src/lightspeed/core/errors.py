@@ -21,6 +21,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CudaInitializedError",
     "DeepSpeedConfigError",
+    "EngineReleasedError",
     "ExportError",
     "GatherError",
     "HostAddressError",
@@ -84,6 +85,11 @@ class RankLostError(CollectiveTimeoutError):
 class ModelChangedError(LightspeedError, RuntimeError):
     """Evaluation after ``fit`` would run the training engine's weights, but the LightningModule now holds other
     parameters (``configure_model`` built the model again): the trained weights would not be the ones evaluated."""
+
+
+class EngineReleasedError(LightspeedError, RuntimeError):
+    """Evaluation would run a ZeRO engine that was released when another ZeRO run started in this process (lightspeed
+    keeps one run's engines per process, since DeepSpeed's engines are never freed otherwise)."""
 
 
 class UnevenEvaluationError(LightspeedError, RuntimeError):

@@ -44,7 +44,7 @@ class ProcessGroupMixin(DDPStrategyBase):
             self, self._get_process_group_backend(), self._timeout, rank_variables=self._rank_variables
         ):
             yield
-        _process_group.set_position(lambda: f"step {self._optimizer_steps}")  # published with the heartbeat
+        _process_group.set_position(self, lambda strategy: f"step {strategy._optimizer_steps}")  # for the heartbeat
         termination.name_failures_before_termination()  # Fabric has no SIGTERM handler of its own
 
     @override

@@ -62,8 +62,7 @@ class ProcessGroupMixin(ParallelStrategyBase):
         super().on_train_start()
         module = self.lightning_module
         assert module is not None
-        trainer = module.trainer
-        _process_group.set_position(lambda: f"step {trainer.global_step}")  # published with the heartbeat
+        _process_group.set_position(module.trainer, lambda trainer: f"step {trainer.global_step}")  # for the heartbeat
 
     @override
     def on_exception(self, exception: BaseException) -> None:

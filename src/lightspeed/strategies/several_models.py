@@ -25,6 +25,7 @@ from lightspeed.core.errors import DeepSpeedConfigError
 from lightspeed.core.zero.config import find_hidden_size, resolve_config
 from lightspeed.core.zero.config.model_recipe import ModelOptions, ModelRecipe, model_recipes
 from lightspeed.core.zero.engine import initialize_engine, one_optimizer_error, prepare_optimizer
+from lightspeed.core.zero.release import release_engine
 from lightspeed.core.zero.session import ZeroSession
 from lightspeed.core.zero.several_models import (
     assign_optimizers,
@@ -142,6 +143,7 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
             if not training or self.trained_models:
                 return  # evaluation after fit: the training engines hold the weights
             self._drop_model_engines()  # fit after an evaluation: engines with optimizers this time
+        self._session.release_other_runs()
         module = self.lightning_module
         assert module is not None
         models = self._named_models()
@@ -177,6 +179,7 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
                 unused_parameters=self._session.unused_parameters,
             )
             self.model_engines[name] = engine
+            self._session.own(engine)
             seen = _ModelOptimizer(deepspeed_optimizer, model.parameters())
             self._engine_of_optimizer[id(seen)] = engine
             converted[index] = seen
@@ -209,16 +212,20 @@ class SeveralModelsMixin(DeepSpeedStrategyBase):
                 self.local_rank,
                 self._session.leaf_modules,
             )
+            self._session.own(engine)
             return engine
         model.to(device=self.root_device, dtype=model_dtype_for(config))
         return None
 
     def _drop_model_engines(self) -> None:
-        """Forget the models' engines (a failed run's, or an evaluation's before ``fit``): calls of the models run
-        them no more, and the next set-up builds new ones."""
+        """Forget and release the models' engines (a failed run's, or an evaluation's before ``fit``): calls of the
+        models run them no more, and the next set-up builds new ones."""
         undos, self._route_undos = self._route_undos, []
         for undo in undos:
             undo()
+        for engine in self.model_engines.values():
+            if engine is not None:
+                release_engine(engine)
         self.model_engines.clear()
         self._engine_of_optimizer.clear()
 

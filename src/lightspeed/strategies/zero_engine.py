@@ -23,6 +23,7 @@ from lightspeed.core.zero.parameter_checks import (
     check_same_parameters,
     parameter_ids,
 )
+from lightspeed.core.zero.release import release_engine
 from lightspeed.strategies._training_facts import collect_training_facts
 from lightspeed.strategies.several_models import SEVERAL_MODELS_HINT
 from lightspeed.strategies.zero_base import ZeroStrategyBase
@@ -131,6 +132,9 @@ class ZeroEngineMixin(ZeroStrategyBase):
             check_same_parameters(self._trained_parameters, self._module(), stage)
             self.model = self._train_engine
             return
+        if trainer.training and self._train_engine is not None:  # fit again: the last fit's engine is done
+            release_engine(self._train_engine)
+            self._train_engine = None
         super().init_deepspeed()
         if trainer.training:
             self._train_engine = self.model

@@ -25,6 +25,7 @@ import atexit
 import gc
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -216,17 +217,20 @@ def _ranks_on_this_host(rank: int) -> range | None:
 
 _heartbeat: hang_report.Heartbeat | None = None
 _monitor: dict[str, Any] = {}
-_position: Callable[[], str] | None = None
+_position: tuple[weakref.ref, Callable[[Any], str]] | None = None
 
 
-def set_position(position: Callable[[], str] | None) -> None:
-    """Where this rank is (e.g. ``lambda: f"step {trainer.global_step}"``), published with its heartbeat."""
+def set_position(run: object, describe: Callable[[Any], str]) -> None:
+    """Where this rank is, published with its heartbeat: ``describe(run)`` (e.g. ``run`` a Trainer, ``describe``
+    ``lambda trainer: f"step {trainer.global_step}"``). ``run`` is held weakly and ``describe`` must not hold it: a
+    finished run's Trainer, and the model and engines it holds, stay collectable."""
     global _position
-    _position = position
+    _position = (weakref.ref(run), describe)
 
 
 def _position_text() -> str:
-    return _position() if _position is not None else ""
+    run = _position[0]() if _position is not None else None
+    return _position[1](run) if _position is not None and run is not None else ""
 
 
 @contextmanager

@@ -62,6 +62,7 @@ from lightspeed.core.zero.engine import (
 )
 from lightspeed.core.zero.leaf_modules import LeafModules
 from lightspeed.core.zero.nvme_swapping import size_nvme_swapping
+from lightspeed.core.zero.release import EngineRecord
 from lightspeed.core.zero.runtime import (
     check_device_of_local_rank,
     check_precision_supported,
@@ -306,6 +307,7 @@ class ZeroSession:
         if self._placement is None:
             raise RuntimeError("ZeroSession.build_engine runs in a process set up by start_process")
         device_kind, device_index, local_rank = self._placement
+        self.release_other_runs()
         config = self.config if config is None else config
         if training:
             message = apply_policy(model, self.activation_checkpointing_policy)
@@ -328,7 +330,18 @@ class ZeroSession:
             unused_parameters=self.unused_parameters,
         )
         self.compile(engine)
+        self.own(engine)
         return engine, deepspeed_optimizer, deepspeed_scheduler
+
+    def release_other_runs(self) -> None:
+        """Release the engines other runs (sessions) built in this process, before this one builds its own: DeepSpeed
+        never frees them otherwise (:mod:`~lightspeed.core.zero.release`)."""
+        EngineRecord.release_all_but(self)
+
+    def own(self, engine: Any) -> None:
+        """Count ``engine`` (built by :meth:`build_engine`, or by a front end's own several-model set-up) as this
+        run's: released when another run builds its engines."""
+        EngineRecord.add(self, engine)
 
     def inference_config(self) -> dict[str, Any]:
         """The config of an engine that only runs the forward pass (evaluation without training first): the

@@ -26,6 +26,7 @@ from lightspeed.core.common.sizes import format_size
 from lightspeed.core.zero.auto_choice import ZeroAutoRequest, zero_auto_config
 from lightspeed.core.zero.config import ZeroTuning
 from lightspeed.core.zero.planner import ZeroOption
+from lightspeed.core.zero.release import release_engine
 
 __all__ = [
     "BUCKET_VARIANTS",
@@ -230,9 +231,9 @@ def _measure(candidate: Candidate, setup: TrialSetup, batches: list[Any], steps:
     except Exception as err:  # noqa: BLE001 - a candidate that cannot train is dropped; every rank learns why
         error = f"{type(err).__name__}: {err}"
     finally:
-        if engine is not None and hasattr(engine, "destroy"):
+        if engine is not None:  # a trial's engine is freed before the next trial builds one
             with contextlib.suppress(Exception):
-                engine.destroy()
+                release_engine(engine)
         engine = None
         gc.collect()
     slowest, error = _agreed(seconds, error)
