@@ -46,6 +46,9 @@ class WideMLP(L.LightningModule):
 
 
 def _release() -> None:
+    from lightspeed.core.zero.release import EngineRecord
+
+    EngineRecord.release_all_but(None)  # the last run's engines: otherwise released when the next run builds its own
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap pages back, so the baseline is what is live
@@ -101,7 +104,7 @@ def main() -> None:
         peak = status_bytes("VmHWM")
         result = {"option": name, "baseline_bytes": baseline, "peak_bytes": peak, "steps": trainer.global_step}
         (args.out / f"rank{rank}_{name}.json").write_text(json.dumps(result))
-        del model, trainer  # whatever of it stays referenced is in the next baseline
+        del model, trainer  # whatever of it stays referenced after _release is in the next baseline
 
 
 if __name__ == "__main__":
