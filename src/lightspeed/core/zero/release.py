@@ -26,8 +26,9 @@ _released: weakref.WeakSet[Any] = weakref.WeakSet()
 
 def release_engine(engine: Any) -> None:
     """Free what holds ``engine`` beyond its owners' references: DeepSpeed's ``destroy()`` (gradient and ZeRO-3
-    forward hooks), the engine's own hooks on the model, the ZeRO-3 coordinator's cache and forward-module stack. Calling the engine afterwards raises
-    :class:`EngineReleasedError` (its ZeRO-3 weights are partitions without the hooks that gather them)."""
+    forward hooks), the engine's own hooks on the model, the ZeRO-3 coordinator's cache and forward-module stack.
+    Calling the engine afterwards raises :class:`EngineReleasedError` (its ZeRO-3 weights are partitions without the
+    hooks that gather them)."""
     if engine in _released:
         return
     _released.add(engine)
