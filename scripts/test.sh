@@ -21,7 +21,7 @@ echo "[test] lint and types: ruff check, ruff format --check, mypy"
 .venv/bin/ruff format --check .
 .venv/bin/mypy
 echo "[test] main suite (.venv: torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
-.venv/bin/python -m pytest --durations=15 "$@"
+.venv/bin/python -m pytest --durations=40 "$@"
 
 if [ -f .venv-xla/SKIP_REASON ]; then
   echo "[test] XLA suite SKIPPED: $(cat .venv-xla/SKIP_REASON)"

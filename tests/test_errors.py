@@ -27,6 +27,7 @@ BUILT_IN = {
     "RankLostError": RuntimeError,
     "UnevenEvaluationError": RuntimeError,
     "ModelChangedError": RuntimeError,
+    "EngineReleasedError": RuntimeError,
     "CudaInitializedError": RuntimeError,
     "GatherError": RuntimeError,
     "CallSiteMismatchError": RuntimeError,

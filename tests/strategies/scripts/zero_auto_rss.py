@@ -48,7 +48,7 @@ class WideMLP(L.LightningModule):
 def _release() -> None:
     from lightspeed.core.zero.release import EngineRecord
 
-    EngineRecord.release_all_but(None)  # the last run's engines: otherwise released when the next run builds its own
+    EngineRecord.release_finished_but(None)  # the last run's engines (else released as the next run builds)
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap pages back, so the baseline is what is live

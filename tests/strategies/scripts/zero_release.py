@@ -3,7 +3,7 @@ by strategy name (the arguments).
 
 For each: a Trainer's fit, its validate (the kept engine), then the objects dropped and a second Trainer's fit:
 were the first run's Trainer, model, engine and a parameter freed? Then an earlier Trainer kept by the user validates
-after another run (refused), the same Trainer fits twice, and two Fabric loops run one after the other."""
+after another run (refused), the same Trainer fits twice, and a Fabric loop keeps working while a second one starts."""
 
 from __future__ import annotations
 
@@ -84,12 +84,12 @@ def runs(stage: str) -> dict[str, Any]:
     out["same_trainer_fits_again"] = alive(refs)
     del second, third
 
-    fabric, model = fabric_step(stage)
+    fabric, model = fabric_step(stage)  # a Fabric loop never reports its end: it is never released under it
     refs = {"engine": weakref.ref(fabric._strategy._deepspeed_engine)}
     fabric_step(stage)
-    out["earlier_fabric_model_called"] = refusal(model, make_regression_data(4)[:][0])
+    out["earlier_fabric_model_still_runs"] = tuple(model(make_regression_data(4)[:][0]).shape)
     del fabric, model
-    out["fabric_after_the_next_loop"] = alive(refs)
+    out["earlier_fabric_engine_kept"] = alive(refs)
     return out
 
 

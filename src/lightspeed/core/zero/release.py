@@ -5,10 +5,11 @@ gradient hooks live in C++ autograd nodes that Python's garbage collector cannot
 coordinator caches modules in a class-level ``functools.lru_cache``, and ZeRO-3's forward hooks leave the top module
 on a module-level stack. A notebook that trains twice, or a script that fits several Trainers, would keep every earlier
 run's model, optimizer states and partitions alive (measured: +480 MiB per rank for a 50M model under ZeRO-2). So
-lightspeed releases an engine once no run can use it again: when its own run builds a new one for training, and when
-another ZeRO run builds its first engine in the process (one run's engines at a time; an evaluation on an earlier
-run's Trainer afterwards raises :class:`~lightspeed.errors.EngineReleasedError` instead of running a partitioned model
-without its hooks).
+lightspeed releases an engine once its run has ended and another begins: when its own run builds a new one for
+training, and when another ZeRO run builds its engines in the process after the first run's front end tore down (a
+Trainer after ``fit``; an evaluation on that Trainer afterwards raises :class:`~lightspeed.errors.EngineReleasedError`
+instead of running a partitioned model without its hooks). Runs still going are never touched: a Fabric loop has no
+end that Fabric reports, so its engines are released only with the process.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def _released_forward(*args: Any, **kwargs: Any) -> Any:
 
 
 class EngineRecord:
-    """The engines ZeRO sessions built in this process, each under the session that built it (weakly held)."""
+    """The engines ZeRO sessions built in this process, each under the session that built it, and which sessions have
+    finished (their front end's teardown ran: a Trainer after ``fit``); everything held weakly."""
 
     _built: list[tuple[weakref.ref[Any], weakref.ref[Any]]] = []
+    _finished: weakref.WeakSet[Any] = weakref.WeakSet()
 
     @classmethod
     def add(cls, session: object, engine: Any) -> None:
@@ -70,15 +73,24 @@ class EngineRecord:
         cls._built.append((weakref.ref(session), weakref.ref(engine)))
 
     @classmethod
-    def release_all_but(cls, session: object) -> None:
-        """Release the engines every other session built: ``session`` starts a new run in this process."""
+    def set_finished(cls, session: object, finished: bool) -> None:
+        """Note that ``session``'s run ended (its engines are kept only for a later evaluation) or runs again."""
+        if finished:
+            cls._finished.add(session)
+        else:
+            cls._finished.discard(session)
+
+    @classmethod
+    def release_finished_but(cls, session: object | None) -> None:
+        """Release the engines of every finished session but ``session`` (which starts building its own). Engines of
+        runs still going (a Fabric loop, which has no end, or runs taking turns in one process) are left alone."""
         kept: list[tuple[weakref.ref[Any], weakref.ref[Any]]] = []
-        for builder, engine_ref in cls._built:
-            engine = engine_ref()
+        for builder_ref, engine_ref in cls._built:
+            engine, builder = engine_ref(), builder_ref()
             if engine is None:
                 continue
-            if builder() is session:
-                kept.append((builder, engine_ref))
+            if builder is session or (builder is not None and builder not in cls._finished):
+                kept.append((builder_ref, engine_ref))
             else:
                 release_engine(engine)
         cls._built[:] = kept

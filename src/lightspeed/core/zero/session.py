@@ -195,6 +195,7 @@ class ZeroSession:
         run inside it in Lightning's order (seed, world ranks, DeepSpeed adopting the group, ...). A loop without a
         front end passes neither and creates its group itself."""
         self._placement = (device_kind, process.root_device.index, process.local_rank)
+        EngineRecord.set_finished(self, False)
         third_party_warnings.install()
         prepare_deepspeed_process(device_kind, config_uses_nvme(self.config))
         if device_kind == "cuda":
@@ -205,9 +206,10 @@ class ZeroSession:
 
     def end_process(self) -> None:
         """Undo :meth:`start_process`'s warning filter and the sequence-parallel attention (the front end's
-        teardown)."""
+        teardown); this run's engines may be released when another run builds its own."""
         third_party_warnings.uninstall()
         self.sequence_parallel.remove()
+        EngineRecord.set_finished(self, True)
 
     # ------------------------------------------------------------------ config
     def resolve(self, config: dict[str, Any], facts: TrainingFacts) -> list[str]:
@@ -334,9 +336,9 @@ class ZeroSession:
         return engine, deepspeed_optimizer, deepspeed_scheduler
 
     def release_other_runs(self) -> None:
-        """Release the engines other runs (sessions) built in this process, before this one builds its own: DeepSpeed
-        never frees them otherwise (:mod:`~lightspeed.core.zero.release`)."""
-        EngineRecord.release_all_but(self)
+        """Release the engines of the runs (sessions) that ended in this process, before this one builds its own:
+        DeepSpeed never frees them otherwise (:mod:`~lightspeed.core.zero.release`)."""
+        EngineRecord.release_finished_but(self)
 
     def own(self, engine: Any) -> None:
         """Count ``engine`` (built by :meth:`build_engine`, or by a front end's own several-model set-up) as this
