@@ -88,8 +88,8 @@ class ModelChangedError(LightspeedError, RuntimeError):
 
 
 class EngineReleasedError(LightspeedError, RuntimeError):
-    """Evaluation would run a ZeRO engine that was released when another ZeRO run started in this process (lightspeed
-    keeps one run's engines per process, since DeepSpeed's engines are never freed otherwise)."""
+    """Evaluation would run a ZeRO engine that was released after its run ended, when another ZeRO run in this process
+    built its own (DeepSpeed's engines are never freed otherwise)."""
 
 
 class UnevenEvaluationError(LightspeedError, RuntimeError):

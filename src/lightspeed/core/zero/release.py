@@ -54,9 +54,9 @@ def release_engine(engine: Any) -> None:
 def _released_forward(*args: Any, **kwargs: Any) -> Any:
     raise EngineReleasedError(
         "this DeepSpeed engine was released when its run built a new one or another ZeRO run started in this "
-        "process (lightspeed keeps one run's engines per process: DeepSpeed's engines are never freed otherwise). "
-        "Evaluate before starting the next run, or with the new run's Trainer or Fabric after loading the weights "
-        "from a checkpoint."
+        "process (lightspeed frees an ended run's engines when the next run builds its own: DeepSpeed's engines are "
+        "never freed otherwise). Evaluate before starting the next run, or with the new run's Trainer or Fabric after "
+        "loading the weights from a checkpoint."
     )
 
 
