@@ -229,8 +229,11 @@ def set_position(run: object, describe: Callable[[Any], str]) -> None:
 
 
 def _position_text() -> str:
-    run = _position[0]() if _position is not None else None
-    return _position[1](run) if _position is not None and run is not None else ""
+    if _position is None:
+        return ""
+    run_ref, describe = _position
+    run = run_ref()
+    return describe(run) if run is not None else ""
 
 
 @contextmanager
