@@ -1,8 +1,10 @@
 """``RayZeroStrategy`` and ``RayZeroFabricStrategy`` where they cannot work: outside a Ray Train training function,
-with node-local storage (Ray's storage collects every worker's files itself), and (Fabric) with what Ray sets; one
-clear error each, before anything starts."""
+with node-local storage (Ray's storage collects every worker's files itself), with a timeout (Ray's), and (Fabric)
+with what Ray sets; one clear error each, before anything starts."""
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import pytest
 
@@ -30,6 +32,16 @@ def test_node_local_storage_is_refused_with_the_reason(strategy: type) -> None:
     assert str(error.value) == (
         f"{strategy.__name__}(node_local_storage=True): not needed under Ray Train, whose storage collects the files "
         "every worker reports (each worker saves its own shard). Leave node_local_storage out."
+    )
+
+
+@pytest.mark.parametrize("strategy", [RayZeroStrategy, RayZeroFabricStrategy])
+def test_a_timeout_is_refused_naming_rays_own(strategy: type) -> None:
+    with pytest.raises(ValueError) as error:
+        strategy(stage=2, timeout=timedelta(seconds=60))
+    assert str(error.value) == (
+        f"{strategy.__name__}(timeout=...): Ray Train creates the process group, so the collectives' timeout is "
+        "Ray's: pass TorchTrainer(..., torch_config=ray.train.torch.TorchConfig(timeout_s=...)) and leave timeout out."
     )
 
 

@@ -17,22 +17,19 @@ from typing_extensions import Unpack, override
 
 from lightspeed.fabric.zero import ZeroFabricStrategy
 from lightspeed.fabric.zero_keywords import FabricZeroKeywords
-from lightspeed.ray.worker import refuse_node_local_storage, require_ray_worker
+from lightspeed.ray.worker import refuse_what_ray_decides, require_ray_worker
 
 __all__ = ["RayZeroFabricStrategy"]
 
 
 class RayZeroFabricStrategy(ZeroFabricStrategy):
     """lightspeed's ZeRO strategy for Lightning Fabric inside ``ray.train.torch.TorchTrainer``; takes every
-    :class:`~lightspeed.fabric.ZeroFabricStrategy` argument except ``node_local_storage``, ``cluster_environment``
-    and ``parallel_devices`` (Ray's)."""
+    :class:`~lightspeed.fabric.ZeroFabricStrategy` argument except ``node_local_storage``, ``timeout``,
+    ``cluster_environment`` and ``parallel_devices`` (Ray's)."""
 
     def __init__(self, **kwargs: Unpack[FabricZeroKeywords]) -> None:
         name = type(self).__name__
-        refuse_node_local_storage(name, kwargs)
-        for taken in ("cluster_environment", "parallel_devices"):
-            if kwargs.get(taken) is not None:
-                raise ValueError(f"{name}({taken}=...): Ray Train sets it; leave it out.")
+        refuse_what_ray_decides(name, kwargs, ray_sets=("cluster_environment", "parallel_devices"))
         context = require_ray_worker(name)
         local_world_size = context.get_local_world_size()
         kwargs["cluster_environment"] = RayLightningEnvironment()

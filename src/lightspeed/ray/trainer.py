@@ -16,7 +16,7 @@ from __future__ import annotations
 from ray.train.lightning import RayDeepSpeedStrategy
 from typing_extensions import Unpack
 
-from lightspeed.ray.worker import refuse_node_local_storage, require_ray_worker
+from lightspeed.ray.worker import refuse_what_ray_decides, require_ray_worker
 from lightspeed.strategies.zero import ZeroStrategy
 from lightspeed.strategies.zero_keywords import TrainerZeroKeywords
 
@@ -26,13 +26,13 @@ __all__ = ["RayZeroStrategy"]
 class RayZeroStrategy(ZeroStrategy, RayDeepSpeedStrategy):  # type: ignore[misc]
     """lightspeed's ZeRO strategy inside ``ray.train.torch.TorchTrainer``; takes every
     :class:`~lightspeed.strategies.ZeroStrategy` argument except ``node_local_storage`` (Ray's storage collects
-    each worker's files itself).
+    each worker's files itself) and ``timeout`` (Ray's ``TorchConfig(timeout_s=)``).
 
     Build it in the training function, with Ray's ``RayLightningEnvironment`` and ``RayTrainReportCallback``, and pass
     the Trainer through ``ray.train.lightning.prepare_trainer``."""
 
     def __init__(self, **kwargs: Unpack[TrainerZeroKeywords]) -> None:
-        refuse_node_local_storage(type(self).__name__, kwargs)
+        refuse_what_ray_decides(type(self).__name__, kwargs)
         require_ray_worker(type(self).__name__)
         super().__init__(**kwargs)
         self._session.own_checkpoint_paths = True

@@ -7,7 +7,7 @@ from typing import Any
 
 import ray.train
 
-__all__ = ["refuse_node_local_storage", "require_ray_worker"]
+__all__ = ["refuse_what_ray_decides", "require_ray_worker"]
 
 
 def require_ray_worker(strategy: str) -> Any:
@@ -25,10 +25,20 @@ def require_ray_worker(strategy: str) -> Any:
     return context
 
 
-def refuse_node_local_storage(strategy: str, arguments: Mapping[str, Any]) -> None:
-    """``node_local_storage=True`` is refused: Ray's storage collects the files every worker reports."""
+def refuse_what_ray_decides(strategy: str, arguments: Mapping[str, Any], ray_sets: tuple[str, ...] = ()) -> None:
+    """A ``ValueError`` for an argument that Ray decides: ``node_local_storage=True`` (Ray's storage collects the
+    files every worker reports), ``timeout`` (Ray creates the process group: its timeout is Ray's) and the names in
+    ``ray_sets``."""
     if arguments.get("node_local_storage"):
         raise ValueError(
             f"{strategy}(node_local_storage=True): not needed under Ray Train, whose storage collects the files "
             "every worker reports (each worker saves its own shard). Leave node_local_storage out."
         )
+    if arguments.get("timeout") is not None:
+        raise ValueError(
+            f"{strategy}(timeout=...): Ray Train creates the process group, so the collectives' timeout is Ray's: "
+            "pass TorchTrainer(..., torch_config=ray.train.torch.TorchConfig(timeout_s=...)) and leave timeout out."
+        )
+    for name in ray_sets:
+        if arguments.get(name) is not None:
+            raise ValueError(f"{strategy}({name}=...): Ray Train sets it; leave it out.")

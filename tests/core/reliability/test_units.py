@@ -22,9 +22,11 @@ from lightspeed.core.reliability.hang_report import (
     collective_name,
     describe_missing_ranks,
     heartbeat_interval,
+    heartbeats,
     is_peer_lost,
     peer_lost_message,
     ranks_that_left,
+    silent_ranks,
 )
 from lightspeed.core.reliability.last_checkpoint import describe_skipped, incomplete_checkpoints
 from lightspeed.core.reliability.process_group import set_rendezvous_environment
@@ -193,6 +195,27 @@ def test_a_stopped_heartbeat_marks_its_rank_as_gone_until_it_starts_again() -> N
         beat.stop()
 
 
+def test_a_rank_whose_heartbeat_stood_still_without_marking_its_exit_is_silent() -> None:
+    import torch.distributed as dist
+
+    from _support.launch import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10))
+    beats = [Heartbeat(store, rank, interval=0.05, position=lambda: "step 6").start() for rank in range(3)]
+    time.sleep(0.2)
+    beats[2]._stop.set()  # as SIGKILL ends it: no last write marks the exit
+    beats[2]._thread.join()
+    before = heartbeats(store, 3)
+    time.sleep(0.2)
+    try:
+        assert silent_ranks(store, 3, 0, before) == {2: "step 6"}
+        assert silent_ranks(store, 3, 2, before) == {}  # a rank never names itself
+    finally:
+        for beat in beats[:2]:
+            beat.stop()
+    assert ranks_that_left(store, 3, 2) == {0: "step 6", 1: "step 6"}  # stopped as usual: marked, not silent
+
+
 class _CutStore:
     """The store of a host whose link to node 0's host is down: every read blocks (until the test ends)."""
 
@@ -222,7 +245,7 @@ def test_a_timeout_on_a_host_cut_off_from_the_store_names_the_other_hosts_ranks(
 
     store = _CutStore()
     state = {"store": store, "rank": 2, "world_size": 4, "timeout": timedelta(seconds=1), "interval": 0.1}
-    state.update(same_host=range(2, 4), store_address="host-a:29500")
+    state.update(same_host=range(2, 4), store_address="host-a:29500", timeout_source=process_group.STRATEGY_TIMEOUT)
     monkeypatch.setattr(process_group, "_monitor", state)
     try:
         error = process_group.explain_timeout(RuntimeError("[gloo] Timed out waiting 1000ms for recv operation"))
@@ -278,6 +301,11 @@ def test_a_collective_ended_by_a_rank_that_left_is_told_apart_and_named() -> Non
     )
     assert "ranks 1, 3 left the job (rank 1 at step 3; rank 3 at step 2)" in peer_lost_message(
         0, {1: "step 3", 3: "step 2"}, None, lost
+    )
+    assert peer_lost_message(0, {}, None, lost, silent={3: "step 6"}).startswith(
+        "Rank 0 was waiting in a collective when rank 3 ended without a word at step 6, so the collective can never "
+        "complete; its heartbeat stopped and it recorded no exit: it was killed (SIGKILL, the out-of-memory killer) "
+        "or its machine went away. Exiting so"
     )
 
 

@@ -7,6 +7,9 @@ usage: ray_fit.py OUT STAGE EPOCHS [FAULT]
 FAULT ``kill``: in the first attempt, rank 1 ends its process at the start of epoch 1, once Ray has registered the
 checkpoint of epoch 0; ``FailureConfig(max_failures=1)`` restarts the workers. Rank 0 of the last attempt writes the
 gathered weights to OUT/weights.pt and OUT/result.json (the epoch it resumed from, the global step, Ray's result).
+FAULT ``hang`` (tests/_support/ray_train.py): the process group's timeout is HANG_TIMEOUT_S, rank 1 stops its process
+at the start of step HANG_STEP, no restart; each rank that raises writes OUT/error_rank<R>.json, the driver what
+``TorchTrainer.fit`` raised to OUT/driver_error.json.
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ import ray
 import torch
 from torch.utils.data import DataLoader
 
-from _support.ray_train import run_torch_trainer, wait_for_registered_checkpoint
+from _support.ray_train import (
+    record_error,
+    run_torch_trainer,
+    stop_rank_one_at_hang_step,
+    wait_for_registered_checkpoint,
+)
 
 
 class KillRankOne(L.Callback):
@@ -35,6 +43,13 @@ class KillRankOne(L.Callback):
         if trainer.global_rank == 1 and trainer.current_epoch == 1:
             wait_for_registered_checkpoint(self.out)
             os._exit(1)
+
+
+class StopRankOne(L.Callback):
+    """The ``hang`` fault: rank 1 stops its process at the start of step HANG_STEP."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        stop_rank_one_at_hang_step(trainer.global_rank, trainer.global_step)
 
 
 def record_saves(trainer: L.Trainer, out: Path) -> None:
@@ -63,6 +78,8 @@ def train_func(config: dict[str, Any]) -> None:
     callbacks: list[L.Callback] = [RayTrainReportCallback()]
     if config["fault"] == "kill" and checkpoint is None:
         callbacks.append(KillRankOne(out))
+    if config["fault"] == "hang":
+        callbacks.append(StopRankOne())
     L.seed_everything(0, verbose=False)
     trainer = quiet_trainer(
         strategy=RayZeroStrategy(stage=config["stage"]),
@@ -75,13 +92,18 @@ def train_func(config: dict[str, Any]) -> None:
     trainer = prepare_trainer(trainer)
     record_saves(trainer, out)
     loader = DataLoader(make_regression_data(), batch_size=4)
-    if checkpoint is None:
-        trainer.fit(RegressionModule(), loader)
-        resumed_from = None
-    else:
-        with checkpoint.as_directory() as directory:
-            resumed_from = json.loads((Path(directory) / "checkpoint.ckpt" / "lightspeed_complete.json").read_text())
-            trainer.fit(RegressionModule(), loader, ckpt_path=str(Path(directory) / "checkpoint.ckpt"))
+    try:
+        if checkpoint is None:
+            trainer.fit(RegressionModule(), loader)
+            resumed_from = None
+        else:
+            with checkpoint.as_directory() as directory:
+                complete = Path(directory) / "checkpoint.ckpt" / "lightspeed_complete.json"
+                resumed_from = json.loads(complete.read_text())
+                trainer.fit(RegressionModule(), loader, ckpt_path=str(Path(directory) / "checkpoint.ckpt"))
+    except BaseException as error:
+        record_error(out, trainer.global_rank, error)
+        raise
     weights = full_state_dict(trainer.strategy.deepspeed_engine.module)
     if trainer.global_rank == 0:
         torch.save(weights, out / "weights.pt")

@@ -12,8 +12,10 @@ A rank can also leave first: its own collective timed out, or it failed, and its
 waited. gloo then ends this rank's wait at once with "Connection closed by peer" (or "reset by peer"), which names
 neither. A stopping heartbeat's last write marks its rank as gone, with its position, before the process closes its
 connections, so the rank left behind reads at once who left (:func:`ranks_that_left`), without the two-read wait:
-torchrun stops the remaining workers (SIGTERM) right after one fails. :func:`is_peer_lost` tells that error apart and
-:func:`peer_lost_message` names the collective and the rank that left.
+torchrun stops the remaining workers (SIGTERM) right after one fails. A rank killed outright (SIGKILL, the
+out-of-memory killer) marks nothing: when no mark comes within two intervals, the ranks whose counter stood still
+meanwhile are named (:func:`silent_ranks`). :func:`is_peer_lost` tells that error apart and :func:`peer_lost_message`
+names the collective and the rank that left.
 
 The store lives on node 0's host. On a host whose connection to it is cut (its link down, the other host gone without
 closing its sockets), a store operation blocks in the kernel until TCP gives up, many minutes later: torch's
@@ -40,8 +42,10 @@ __all__ = [
     "describe_missing_ranks",
     "is_collective_timeout",
     "is_peer_lost",
+    "heartbeats",
     "peer_lost_message",
     "ranks_that_left",
+    "silent_ranks",
     "timeout_message",
     "unreachable_store_note",
     "within_deadline",
@@ -202,6 +206,26 @@ def ranks_that_left(
         sleep(0.1)
 
 
+def heartbeats(store: Any, world_size: int, read_deadline: float = 20.0) -> dict[int, tuple[int, str] | None]:
+    """Every rank's heartbeat count and position now (None: none yet); :class:`StoreUnreachable` past
+    ``read_deadline`` seconds."""
+    return within_deadline(lambda: _read(store, world_size), read_deadline)
+
+
+def silent_ranks(
+    store: Any, world_size: int, rank: int, before: dict[int, tuple[int, str] | None], read_deadline: float = 20.0
+) -> dict[int, str]:
+    """The other ranks whose heartbeat has not moved since ``before`` (:func:`heartbeats`, read at least two
+    intervals earlier), with the last position each published: their process ended without marking its exit (killed,
+    or its machine went away)."""
+    after = heartbeats(store, world_size, read_deadline)
+    return {
+        other: beat[1]
+        for other, beat in after.items()
+        if other != rank and beat is not None and before.get(other) == beat
+    }
+
+
 def describe_missing_ranks(
     store: Any,
     world_size: int,
@@ -297,34 +321,61 @@ _RESTART_HINT = (
 )
 
 
-def peer_lost_message(rank: int, left: dict[int, str], collective: str | None, error: BaseException) -> str:
-    """The message of :class:`~lightspeed.errors.RankLostError`; ``left`` is :func:`ranks_that_left`."""
+def peer_lost_message(
+    rank: int,
+    left: dict[int, str],
+    collective: str | None,
+    error: BaseException,
+    silent: dict[int, str] | None = None,
+) -> str:
+    """The message of :class:`~lightspeed.errors.RankLostError`; ``left`` is :func:`ranks_that_left`, ``silent``
+    (read when no rank marked its exit) :func:`silent_ranks`."""
     what = collective or "a collective"
-    if len(left) == 1:
-        ((other, position),) = left.items()
-        who = f"rank {other} left the job{' at ' + position if position else ''}"
-    elif left:
-        where = "; ".join(f"rank {other} at {position}" for other, position in left.items() if position)
-        who = f"ranks {', '.join(map(str, left))} left the job{' (' + where + ')' if where else ''}"
+    why = (
+        "the rank that left printed its own error first (a timeout in a collective of its own, or the failure that "
+        "ended it)"
+    )
+    if left:
+        who = _ranks_at(left, "left the job")
+    elif silent:
+        who = _ranks_at(silent, "ended without a word")
+        why = (
+            "its heartbeat stopped and it recorded no exit: it was killed (SIGKILL, the out-of-memory killer) or its "
+            "machine went away"
+        )
     else:
         who = "another rank closed its connection without saying so (killed, or its machine went away)"
     return (
-        f"Rank {rank} was waiting in {what} when {who}, so the collective can never complete; the rank that left "
-        f"printed its own error first (a timeout in a collective of its own, or the failure that ended it). "
+        f"Rank {rank} was waiting in {what} when {who}, so the collective can never complete; {why}. "
         f"{_RESTART_HINT} Backend error: {_backend_line(error)}"
     )
 
 
+def _ranks_at(positions: dict[int, str], what: str) -> str:
+    """``rank 1 <what> at step 3`` or ``ranks 1, 3 <what> (rank 1 at step 3; rank 3 at step 2)``."""
+    if len(positions) == 1:
+        ((other, position),) = positions.items()
+        return f"rank {other} {what}{' at ' + position if position else ''}"
+    where = "; ".join(f"rank {other} at {position}" for other, position in positions.items() if position)
+    return f"ranks {', '.join(map(str, positions))} {what}{' (' + where + ')' if where else ''}"
+
+
 def timeout_message(
-    error: BaseException, timeout: timedelta, rank: int, stopped: list[int], notes: str, collective: str | None
+    error: BaseException,
+    timeout: timedelta,
+    timeout_source: str,
+    rank: int,
+    stopped: list[int],
+    notes: str,
+    collective: str | None,
 ) -> str:
-    """The message of :class:`CollectiveTimeoutError`."""
+    """The message of :class:`CollectiveTimeoutError` (``timeout_source``: where the timeout was set)."""
     what = collective or "a collective"
     if stopped:
         missing = f"rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} did not arrive"
     else:
         missing = "every other rank is still running, so some rank is waiting elsewhere (not in this collective)"
     return (
-        f"Rank {rank} waited {timeout.total_seconds():g}s (the strategy's `timeout=`) in {what}: {missing}"
+        f"Rank {rank} waited {timeout.total_seconds():g}s ({timeout_source}) in {what}: {missing}"
         f"{' (' + notes + ')' if notes else ''}. {_RESTART_HINT} Backend error: {_backend_line(error)}"
     )

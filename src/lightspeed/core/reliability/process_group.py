@@ -15,8 +15,9 @@ store write at that moment. lightspeed therefore stops and joins the heartbeat a
 an ``atexit`` hook, which runs while the interpreter is still whole (and frees the groups that only garbage still
 references, see :func:`_free_unreachable_groups`); not at the end of a run, since the training engine
 kept for evaluation, ZeRO-3 partitioned modules and the user's own ``torch.distributed`` calls after ``fit`` (even a
-failed one) still use it. A group someone else created is never touched before exit; at exit, once ``import
-lightspeed`` has run, a gloo one is destroyed the same way (:func:`release_other_gloo_group`).
+failed one) still use it. A group someone else created (Ray Train's) is only watched: a heartbeat of lightspeed's
+own, so that its timeouts are named too (:func:`monitor_adopted_group`); at exit, once ``import lightspeed`` has run,
+a gloo one is destroyed the same way (:func:`release_other_gloo_group`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "group_is_initialized",
     "init_process_group",
     "lightspeed_process_group",
+    "monitor_adopted_group",
     "register_exit_cleanup",
     "release_other_gloo_group",
     "restart_prefix",
@@ -100,15 +102,11 @@ def release_other_gloo_group() -> None:
 def destroy_owned_group() -> None:
     """Destroy the default process group if lightspeed created it, and reset DeepSpeed's communication state so the
     next ``deepspeed.init_distributed`` (the next ``fit``/``validate``) creates everything afresh."""
-    global _owned, _heartbeat
+    global _owned
     if not _owned:
         return
     _owned = False
-    if _heartbeat is not None:
-        # a host cut off from the store: its heartbeat thread waits on the store client, which a stuck read holds
-        _heartbeat.stop(wait=0 if _monitor.get("store_lost") else HEARTBEAT_STORE_TIMEOUT.total_seconds() + 1)
-        _heartbeat = None
-    _monitor.clear()
+    _stop_heartbeat()
     if not group_is_initialized():
         _free_unreachable_groups()
         return
@@ -146,6 +144,12 @@ def _free_unreachable_groups() -> None:
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 #: longest a heartbeat write (or the hang report's read) may wait for the store
 HEARTBEAT_STORE_TIMEOUT = timedelta(seconds=20)
+#: where a collective's timeout came from, as CollectiveTimeoutError says it: lightspeed's group, a group adopted
+STRATEGY_TIMEOUT = "the strategy's `timeout=`"
+ADOPTED_GROUP_TIMEOUT = (
+    "the timeout of the process group, which was created outside lightspeed: under Ray Train set it with "
+    "TorchConfig(timeout_s=...)"
+)
 
 
 def restart_prefix() -> str:
@@ -174,7 +178,6 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: timede
     read the peer addresses the dead attempt left there and hang or fail with ``connectFullMesh ... Connection
     refused``. Does nothing when a default group exists. Callers set ``MASTER_ADDR``/``MASTER_PORT`` first.
     """
-    global _heartbeat
     if group_is_initialized():
         return
     timeout = timeout or DEFAULT_TIMEOUT
@@ -189,19 +192,61 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: timede
     )
     take_ownership()
     if world_size > 1:
-        interval = hang_report.heartbeat_interval(timeout)
-        # a heartbeat write never waits long: a stalled store must not hold up the join at exit (see Heartbeat.stop)
         client = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
         )
-        client.set_timeout(min(timeout, HEARTBEAT_STORE_TIMEOUT))
-        _monitor.update(
-            store=dist.PrefixStore(prefix, client), rank=rank, world_size=world_size, timeout=timeout, interval=interval
-        )
-        _monitor["same_host"] = _ranks_on_this_host(rank)
-        _monitor["store_address"] = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        _heartbeat = hang_report.Heartbeat(_monitor["store"], rank, interval, _position_text).start()
+        _start_heartbeat(dist.PrefixStore(prefix, client), rank, world_size, timeout, STRATEGY_TIMEOUT)
     log.debug("lightspeed created the default process group (store prefix %s)", prefix)
+
+
+def monitor_adopted_group() -> None:
+    """Start this rank's heartbeat in a default group someone else created (Ray Train creates the workers' group),
+    on its own connection to that group's store, so that its collective timeouts are named as in lightspeed's own
+    group (:func:`explain_timeout`); the timeout is the group's. Does nothing when the group is already watched, has
+    one rank, or its store cannot open a second connection (then timeouts stay the backend's bare errors)."""
+    global _heartbeat_hook_registered
+    if _monitor or not group_is_initialized() or dist.get_world_size() < 2:
+        return
+    store: Any = dist.distributed_c10d._get_default_store()  # clone() and timeout are not in its stubs
+    try:
+        client = store.clone()
+    except (RuntimeError, NotImplementedError) as unsupported:  # a store of the user's own kind
+        log.debug("lightspeed does not watch this process group: its store cannot be cloned (%s)", unsupported)
+        return
+    _start_heartbeat(client, dist.get_rank(), dist.get_world_size(), store.timeout, ADOPTED_GROUP_TIMEOUT)
+    if not _heartbeat_hook_registered:  # the group is not lightspeed's to destroy, the heartbeat is
+        atexit.register(_stop_heartbeat)
+        _heartbeat_hook_registered = True
+
+
+def _start_heartbeat(store: Any, rank: int, world_size: int, timeout: timedelta, timeout_source: str) -> None:
+    """This rank's heartbeat on ``store`` (a connection of its own) and what :func:`explain_timeout` needs."""
+    global _heartbeat
+    interval = hang_report.heartbeat_interval(timeout)
+    # a heartbeat write never waits long: a stalled store must not hold up the join at exit (see Heartbeat.stop)
+    store.set_timeout(min(timeout, HEARTBEAT_STORE_TIMEOUT))
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if "MASTER_PORT" in os.environ else ""
+    _monitor.update(
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        timeout_source=timeout_source,
+        interval=interval,
+        same_host=_ranks_on_this_host(rank),
+        store_address=address,
+    )
+    _heartbeat = hang_report.Heartbeat(store, rank, interval, _position_text).start()
+
+
+def _stop_heartbeat() -> None:
+    """Stop and join this rank's heartbeat (before its group goes) and forget the group it watched."""
+    global _heartbeat
+    if _heartbeat is not None:
+        # a host cut off from the store: its heartbeat thread waits on the store client, which a stuck read holds
+        _heartbeat.stop(wait=0 if _monitor.get("store_lost") else HEARTBEAT_STORE_TIMEOUT.total_seconds() + 1)
+        _heartbeat = None
+    _monitor.clear()
 
 
 def _ranks_on_this_host(rank: int) -> range | None:
@@ -216,6 +261,7 @@ def _ranks_on_this_host(rank: int) -> range | None:
 
 
 _heartbeat: hang_report.Heartbeat | None = None
+_heartbeat_hook_registered = False
 _monitor: dict[str, Any] = {}
 _position: tuple[weakref.ref, Callable[[Any], str]] | None = None
 
@@ -242,12 +288,17 @@ def lightspeed_process_group(
 ) -> Iterator[None]:
     """Wrap a front end's process set-up: unless a default group exists, :func:`set_rendezvous_environment` and
     :func:`init_process_group` run first, so Lightning and DeepSpeed adopt lightspeed's group inside the block;
-    afterwards the groups DeepSpeed created get ``timeout`` too. A group the user created is left as it is."""
+    afterwards the groups DeepSpeed created get ``timeout`` too. A group created outside lightspeed (Ray Train's) is
+    left as it is but watched (:func:`monitor_adopted_group`), and DeepSpeed's groups get its timeout."""
     existed = group_is_initialized()
-    if not existed:
+    if existed:
+        monitor_adopted_group()
+    else:
         set_rendezvous_environment(process, rank_variables=rank_variables)
         init_process_group(backend, process.global_rank, process.world_size, timeout)
     yield
+    if existed and not _owned and _monitor:  # an adopted group: its timeout holds for DeepSpeed's groups too
+        apply_timeout_to_deepspeed_groups(_monitor["timeout"])
     if not existed and group_is_initialized():
         take_ownership()
         apply_timeout_to_deepspeed_groups(timeout)
@@ -279,14 +330,17 @@ def explain_timeout(error: BaseException) -> CollectiveTimeoutError | None:
     collective = hang_report.collective_name(error.__traceback__)
     read_deadline = min(_monitor["timeout"], HEARTBEAT_STORE_TIMEOUT).total_seconds()
     if hang_report.is_peer_lost(error):  # first: the other rank's timeout says 'timeout' too
+        left, silent = {}, {}
         try:
+            before = hang_report.heartbeats(store, world_size, read_deadline)
             left = hang_report.ranks_that_left(store, world_size, rank, 2 * interval + 1, read_deadline=read_deadline)
+            if not left:  # two intervals passed: a rank killed outright marked nothing, and its heartbeat stood still
+                silent = hang_report.silent_ranks(store, world_size, rank, before, read_deadline)
         except hang_report.StoreUnreachable:
             _monitor["store_lost"] = True
-            left = {}
         except Exception:  # noqa: BLE001 - see the docstring
-            left = {}
-        return RankLostError(hang_report.peer_lost_message(rank, left, collective, error))
+            pass
+        return RankLostError(hang_report.peer_lost_message(rank, left, collective, error, silent))
     if hang_report.is_collective_timeout(error):
         try:
             stopped, notes = hang_report.describe_missing_ranks(
@@ -300,7 +354,9 @@ def explain_timeout(error: BaseException) -> CollectiveTimeoutError | None:
         except Exception as interrupted:  # noqa: BLE001 - see the docstring
             stopped, notes = [], f"the other ranks' heartbeats could not be read: {interrupted}"
         return CollectiveTimeoutError(
-            hang_report.timeout_message(error, _monitor["timeout"], rank, stopped, notes, collective)
+            hang_report.timeout_message(
+                error, _monitor["timeout"], _monitor["timeout_source"], rank, stopped, notes, collective
+            )
         )
     return None
 
