@@ -2,14 +2,16 @@
 address in 198.18.0.0/15, /etc/hosts and node-local disk), one torchrun per host with 2 processes, rendezvous on the
 first host by name: they end with the weights of one host with 4 processes (zero3, zero2_offload), also over a link
 that loses 0.5 % of its packets; each rank runs under its own host's name; node-local checkpoints stay on each host's
-own disk. A host cut off the link mid-run (its eth0 down) ends the job on both hosts within a bounded time, each
-rank with a CollectiveTimeoutError naming the other host's ranks, and relaunched once the link is back it resumes
-exactly; a link down for 2 s within the timeout leaves the run untouched. Skipped where the namespaces cannot be made
+own disk. A host cut off the link mid-run (its eth0 down), between two steps or inside a checkpoint save, ends the
+job on both hosts within a bounded time, each rank with a CollectiveTimeoutError naming the other host's ranks, the
+previous checkpoint intact, and relaunched once the link is back it resumes exactly from it; a link down for 2 s
+within the timeout leaves the run untouched. Skipped where the namespaces cannot be made
 (not root)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +26,7 @@ from _support.hosts import INTERFACE, Host, SimulatedHosts, require_namespaces, 
 from _support.launch import NATIVE_ABORT, REPO_ROOT, child_env, free_port
 from _support.models import reference_training
 from lightspeed.core.reliability.node_local import check_parts, require_part
+from lightspeed.core.reliability.staging import require_intact
 
 SCRIPT = REPO_ROOT / "tests" / "strategies" / "scripts" / "multinode.py"
 ADDRESSES = {"host-a": "198.18.0.1", "host-b": "198.18.0.2"}
@@ -46,15 +49,29 @@ class HostsRun:
 
 
 def start_on_hosts(
-    sim: SimulatedHosts, args: list[str], port: int, log: str, env: dict[str, str] | None = None
+    sim: SimulatedHosts,
+    args: list[str],
+    port: int,
+    log: str,
+    env: dict[str, str] | None = None,
+    *,
+    elastic: bool = False,
 ) -> list[subprocess.Popen[bytes]]:
     """`torchrun --nnodes 2 --node-rank N --nproc-per-node 2 --master-addr host-a ... multinode.py ARGS` on each host,
-    its output in ``<log>_<host>.log`` beside the shared directory (``env``: added to the ranks' environment)."""
+    its output in ``<log>_<host>.log`` beside the shared directory (``env``: added to the ranks' environment).
+    ``elastic``: torchrun's elastic agent instead, a c10d rendezvous on host-a and one restart allowed."""
     procs = []
     for node, host in enumerate(sim.hosts):
+        if elastic:
+            place = [
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{sim.hosts[0].name}:{port}", "--max-restarts", "1",
+                "--monitor-interval", "0.5",
+            ]  # fmt: skip
+        else:
+            place = ["--node-rank", str(node), "--master-addr", sim.hosts[0].name, "--master-port", str(port)]
         argv = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-            "--nproc-per-node", "2", "--master-addr", sim.hosts[0].name, "--master-port", str(port), str(SCRIPT), *args,
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", *place,
+            str(SCRIPT), *args,
         ]  # fmt: skip
         procs.append(sim.popen(host, argv, child_env(env), sim.local.parent / f"{log}_{host.name}.log"))
     return procs
@@ -179,8 +196,10 @@ def test_zero3_over_a_lossy_link_ends_with_the_weights_of_one_host(
 #: the cut test: zero2 with `timeout=` CUT_TIMEOUT seconds (heartbeat every CUT_TIMEOUT / 10 s); after step CUT_STEP
 #: every rank sleeps CUT_SLEEP seconds, during which the test takes host-b's eth0 down
 CUT_TIMEOUT, CUT_STEP, CUT_SLEEP = 10, 5, 4
-#: as tests/strategies/scripts/multinode.py trains them
-CUT_STEPS, CUT_SAMPLES = 60, 2048
+#: as tests/strategies/scripts/multinode.py trains them (a checkpoint every CUT_SAVE_EVERY steps)
+CUT_STEPS, CUT_SAMPLES, CUT_SAVE_EVERY = 60, 2048, 4
+#: the elastic restart test: the step after which the last rank is killed (the last checkpoint before it: step 4's)
+ELASTIC_KILL_STEP = 6
 #: seconds from the cut until both torchruns must have ended: the sleep, then the next step's collective fails after
 #: 2 x timeout (measured: zero2's first error comes two timeouts after the ranks wake), the hang report reads the
 #: heartbeats 2 intervals apart (host-a) or gives up on the store after its deadline, min(timeout, 20 s) (host-b,
@@ -205,17 +224,23 @@ def stacks(sim: SimulatedHosts, host: Host) -> str:
     return "\n".join(dumps)
 
 
-def test_a_host_cut_off_the_link_ends_the_job_on_both_hosts_naming_the_other_hosts_ranks(tmp_path: Path) -> None:
-    """zero2 on 2 hosts x 2 processes; host-b's eth0 goes down between two steps (no reset reaches either side).
-    Both torchruns end, non-zero, within CUT_BOUND: host-a's ranks raise CollectiveTimeoutError naming ranks 2, 3
-    (their heartbeats stopped); host-b's ranks, whose reads of the job's store on host-a would block until TCP gives
-    up (many minutes), name ranks 0, 1 and the store that did not answer. No process is left on either host. The link
-    back, both hosts relaunched with ``fit(ckpt_path="last")``: the run resumes from the last checkpoint committed
-    before the cut and ends equal to one plain process."""
+@pytest.mark.parametrize("moment", ["between_steps", "in_save"])
+def test_a_host_cut_off_the_link_ends_the_job_on_both_hosts_naming_the_other_hosts_ranks(
+    tmp_path: Path, moment: str
+) -> None:
+    """zero2 on 2 hosts x 2 processes; host-b's eth0 goes down (no reset reaches either side) between two steps, or
+    inside the step-8 checkpoint save (every rank has written its shard into the staging directory, nothing is
+    committed). Both torchruns end, non-zero, within CUT_BOUND: host-a's ranks raise CollectiveTimeoutError naming
+    ranks 2, 3 (their heartbeats stopped); host-b's ranks, whose reads of the job's store on host-a would block until
+    TCP gives up (many minutes), name ranks 0, 1 and the store that did not answer. No process is left on either
+    host; a save cut short left the previous checkpoint intact. The link back, both hosts relaunched with
+    ``fit(ckpt_path="last")``: the run resumes from the last checkpoint committed before the cut (step 4's), sweeps
+    what the cut save left, and ends equal to one plain process."""
     shared = tmp_path / "shared"
     shared.mkdir()
     port = free_port()
-    args = ["cut", str(shared), "2", str(CUT_STEP), str(CUT_TIMEOUT), str(CUT_SLEEP), "cut"]
+    step, phase = (CUT_STEP, "cut") if moment == "between_steps" else (2 * CUT_SAVE_EVERY, "in_save")
+    args = ["cut", str(shared), "2", str(step), str(CUT_TIMEOUT), str(CUT_SLEEP), phase]
     with simulated_hosts(tmp_path) as sim:
         host_b = sim.hosts[1]
         procs = dict(zip(sim.hosts, start_on_hosts(sim, args, port, "cut"), strict=True))
@@ -226,7 +251,7 @@ def test_a_host_cut_off_the_link_ends_the_job_on_both_hosts_naming_the_other_hos
             while not (shared / "cut_now").exists():
                 if any(proc.poll() is not None for proc in procs.values()) or time.monotonic() - start > 180:
                     outputs = "\n".join(f"{h.name}:\n{log.read_text()[-4000:]}" for h, log in logs.items())
-                    raise AssertionError(f"the ranks never reached step {CUT_STEP}:\n{outputs}")
+                    raise AssertionError(f"the ranks never reached step {step}:\n{outputs}")
                 time.sleep(0.1)
             sim.cut(host_b)
             cut = time.monotonic()
@@ -247,6 +272,9 @@ def test_a_host_cut_off_the_link_ends_the_job_on_both_hosts_naming_the_other_hos
         finally:
             for proc in procs.values():
                 proc.kill()  # only after a failure: a torchrun still running (its ranks end with the namespaces)
+        checkpoints = shared / "cut_ckpt"
+        cut_short = sorted(path.name for path in checkpoints.iterdir())
+        require_intact(checkpoints / "last.ckpt")  # step 4's, whatever the cut interrupted
         if not left["host-a"] and not left["host-b"]:  # the link back, both hosts relaunched from the last checkpoint
             sim.reconnect(host_b)
             launch_on_hosts(sim, [*args[:-1], "resume"], "resume")
@@ -254,9 +282,11 @@ def test_a_host_cut_off_the_link_ends_the_job_on_both_hosts_naming_the_other_hos
     assert left == {"host-a": [], "host-b": []}, f"processes left after both torchruns ended: {left}"
     for host, proc in procs.items():
         assert proc.returncode != 0, f"{host.name} ended with 0 after the cut:\n{outputs[host.name]}"
+    if moment == "in_save":
+        assert cut_short == ["last.ckpt", "last.ckpt.lightspeed-staging"], cut_short  # the step-8 save, uncommitted
     errors = {}
     for rank in range(4):
-        path = shared / f"cut_rank{rank}.json"
+        path = shared / f"{phase}_rank{rank}.json"
         assert path.exists(), f"rank {rank} wrote no error:\n{outputs['host-a' if rank < 2 else 'host-b']}"
         errors[rank] = json.loads(path.read_text())
     store = f"store at host-a:{port}"
@@ -268,13 +298,44 @@ def test_a_host_cut_off_the_link_ends_the_job_on_both_hosts_naming_the_other_hos
         assert said == on_b, f"rank {rank} {'does not say' if on_b else 'says'} its {store} did not answer: {error}"
     assert max(ended.values()) <= CUT_BOUND, ended
     resumed = torch.load(shared / "weights_resume.pt")
-    assert resumed["steps"] == CUT_STEPS  # from the step-4 checkpoint, the last one committed before the cut
+    assert (resumed["started_at"], resumed["steps"]) == (CUT_SAVE_EVERY, CUT_STEPS)  # step 4: committed before the cut
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["last.ckpt"]  # the cut save's leftovers swept
     assert_same_weights(resumed["weights"], cut_reference(), "relaunched after the cut")
 
 
 def cut_reference() -> dict[str, torch.Tensor]:
     """The cut runs' training in one plain process: the same global batches, uninterrupted."""
     return reference_training(steps=CUT_STEPS, world_size=4, batch=4, n=CUT_SAMPLES)
+
+
+def test_a_rank_killed_on_one_host_is_restarted_with_every_host_by_torchruns_elastic_agent(tmp_path: Path) -> None:
+    """zero2 on 2 hosts x 2 processes under torchrun's elastic agent (c10d rendezvous on host-a, one restart): rank 3,
+    on host-b, is killed after step 6. The ranks still running raise RankLostError (naming rank 3, whose heartbeat
+    stood still, or the ranks that left before them) and end; both hosts' agents
+    meet in a new rendezvous round and start every rank again, each fits with ``ckpt_path="last"``: the run resumes
+    from the step-4 checkpoint and ends equal to one plain process."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    args = ["cut", str(shared), "2", str(ELASTIC_KILL_STEP), str(CUT_TIMEOUT), "0", "elastic"]
+    with simulated_hosts(tmp_path) as sim:
+        procs = start_on_hosts(sim, args, free_port(), "elastic", elastic=True)
+        try:
+            for proc in procs:
+                proc.wait(timeout=300)
+        finally:
+            for proc in procs:
+                proc.kill()  # only after a timeout
+        outputs = {host.name: (tmp_path / f"elastic_{host.name}.log").read_text()[-6000:] for host in sim.hosts}
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    lost = [json.loads((shared / f"elastic_rank{rank}.json").read_text()) for rank in range(3)]
+    assert all(error["type"] == "RankLostError" for error in lost), lost
+    # rank 3 marked no exit: the ranks that found no mark name it by its heartbeat (its step where it beat after the
+    # fit started), the others the ranks that left before them
+    silent = [e for e in lost if re.search(r"when rank 3 ended without a word( at step \d+)?, so", e["message"])]
+    assert silent and all(e in silent or "left the job" in e["message"] for e in lost), lost
+    finished = torch.load(shared / "weights_elastic.pt")
+    assert (finished["started_at"], finished["steps"]) == (CUT_SAVE_EVERY, CUT_STEPS)
+    assert_same_weights(finished["weights"], cut_reference(), "restarted by torchrun's elastic agent")
 
 
 def test_a_link_down_for_two_seconds_within_the_timeout_leaves_the_run_untouched(tmp_path: Path) -> None:

@@ -18,14 +18,19 @@ usage: multinode.py MODE SHARED NUM_NODES [RUNS TAG | STEP TIMEOUT SLEEP PHASE]
              checkpoint in SHARED/cut_ckpt every 4 steps; after step STEP (default 5) rank 0 writes SHARED/cut_now and
              every rank sleeps SLEEP seconds (default 4), so that the test cuts the link between two steps, not inside
              a collective. A rank whose fit raises writes SHARED/<PHASE>_rank<R>.json (the exception's type and
-             message) before raising it again; a run that ends, rank 0 SHARED/weights_<PHASE>.pt. PHASE (default
-             ``cut``): ``resume`` continues from SHARED/cut_ckpt/last.ckpt without the pause.
+             message) before raising it again; a run that ends, rank 0 SHARED/weights_<PHASE>.pt (with the step it
+             started from). PHASE (default ``cut``): ``in_save`` pauses inside the checkpoint save at step STEP
+             instead (every rank has written its shard, nothing is committed), ``resume`` continues from
+             SHARED/cut_ckpt/last.ckpt without the pause; ``elastic`` (under torchrun's elastic agent) fits with
+             ``ckpt_path="last"`` in every attempt, and in the first one the last rank ends its process (SIGKILL)
+             after step STEP.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -188,18 +193,62 @@ class _CutPause(L.Callback):
             time.sleep(self.sleep)
 
 
+def _pause_inside_save(shared: Path, step: int, sleep: float) -> None:
+    """The save at step ``step``: once every rank's DeepSpeed save has written its files, rank 0 writes
+    SHARED/cut_now and every rank sleeps, before the save's agreement and commit."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    save = DeepSpeedEngine.save_checkpoint
+
+    def save_then_pause(engine: DeepSpeedEngine, *args: object, **kwargs: object) -> object:
+        saved = save(engine, *args, **kwargs)
+        if engine.global_steps == step:
+            if engine.global_rank == 0:
+                (shared / "cut_now").write_text(str(time.time()))
+            time.sleep(sleep)
+        return saved
+
+    DeepSpeedEngine.save_checkpoint = save_then_pause  # type: ignore[method-assign]
+
+
+class _KillLastRank(L.Callback):
+    """In torchrun's first attempt, the last rank kills its own process after step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and trainer.global_step == self.step and trainer.global_rank == trainer.world_size - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _StartStep(L.Callback):
+    """Remembers the global step the fit started from (a resumed one: the checkpoint's)."""
+
+    step = -1
+
+    def on_train_start(self, trainer: L.Trainer, *args: object) -> None:
+        self.step = trainer.global_step
+
+
 def cut(
     shared: Path, num_nodes: int, step: str = "5", timeout: str = "10", sleep: str = "4", phase: str = "cut"
 ) -> None:
     strategy = ZeroStrategy(stage=2, timeout=timedelta(seconds=float(timeout)))
     L.seed_everything(0, verbose=False)
     checkpoints = ModelCheckpoint(shared / "cut_ckpt", every_n_train_steps=CUT_SAVE_EVERY, save_last=True, save_top_k=0)
-    run = trainer(strategy, num_nodes, DEVICES, 100, callbacks=[checkpoints], max_steps=CUT_STEPS)
-    if phase != "resume":
+    start = _StartStep()
+    run = trainer(strategy, num_nodes, DEVICES, 100, callbacks=[checkpoints, start], max_steps=CUT_STEPS)
+    if phase == "in_save":
+        _pause_inside_save(shared, int(step), float(sleep))
+    elif phase == "elastic":
+        run.callbacks.append(_KillLastRank(int(step)))
+    elif phase != "resume":
         run.callbacks.append(_CutPause(shared, int(step), float(sleep)))
     try:
         data = DataLoader(make_regression_data(n=CUT_SAMPLES), batch_size=4)
-        run.fit(RegressionModule(), data, ckpt_path="last" if phase == "resume" else None)
+        run.fit(RegressionModule(), data, ckpt_path="last" if phase in ("resume", "elastic") else None)
     except BaseException as err:
         rank = os.environ.get("RANK", "?")
         outcome = {"type": type(err).__name__, "message": str(err), "time": time.time()}
@@ -207,7 +256,9 @@ def cut(
         raise
     weights = full_state_dict(run.strategy.deepspeed_engine.module)
     if run.global_rank == 0:
-        torch.save({"weights": weights, "steps": run.global_step}, shared / f"weights_{phase}.pt")
+        torch.save(
+            {"weights": weights, "steps": run.global_step, "started_at": start.step}, shared / f"weights_{phase}.pt"
+        )
 
 
 if __name__ == "__main__":
