@@ -77,19 +77,25 @@ def start_on_hosts(
     return procs
 
 
+def wait_for_hosts(sim: SimulatedHosts, procs: list[subprocess.Popen[bytes]], log: str) -> dict[str, str]:
+    """Wait for the torchruns :func:`start_on_hosts` started (300 s each) and return each host's ``<log>_<host>.log``.
+    A torchrun still running after that is killed (its ranks end with the namespaces)."""
+    try:
+        for proc in procs:
+            proc.wait(timeout=300)
+    finally:
+        for proc in procs:
+            proc.kill()  # only after a timeout
+    return {host.name: (sim.local.parent / f"{log}_{host.name}.log").read_text() for host in sim.hosts}
+
+
 def launch_on_hosts(sim: SimulatedHosts, args: list[str], tag: str) -> None:
     """:func:`start_on_hosts` with ``args`` and wait for both (a second time after a rank aborted in native code, as
     run_launch does)."""
     for attempt in range(2):
         port = free_port()  # any port: nothing else listens in a fresh namespace
         procs = start_on_hosts(sim, args, port, f"{tag}_{attempt}")
-        try:
-            for proc in procs:
-                proc.wait(timeout=300)
-        finally:
-            for proc in procs:
-                proc.kill()  # only after a timeout: a torchrun still running (its ranks end with the namespaces)
-        outputs = [(sim.local.parent / f"{tag}_{attempt}_{host.name}.log").read_text() for host in sim.hosts]
+        outputs = wait_for_hosts(sim, procs, f"{tag}_{attempt}").values()
         ends = zip(sim.hosts, procs, outputs, strict=True)
         failed = [(host.name, out) for host, proc, out in ends if proc.returncode]
         if not failed:
@@ -311,22 +317,16 @@ def cut_reference() -> dict[str, torch.Tensor]:
 def test_a_rank_killed_on_one_host_is_restarted_with_every_host_by_torchruns_elastic_agent(tmp_path: Path) -> None:
     """zero2 on 2 hosts x 2 processes under torchrun's elastic agent (c10d rendezvous on host-a, one restart): rank 3,
     on host-b, is killed after step 6. The ranks still running raise RankLostError (naming rank 3, whose heartbeat
-    stood still, or the ranks that left before them) and end; both hosts' agents
-    meet in a new rendezvous round and start every rank again, each fits with ``ckpt_path="last"``: the run resumes
-    from the step-4 checkpoint and ends equal to one plain process."""
+    stood still, or the ranks that left before them) and end; both hosts' agents meet in a new rendezvous round and
+    start every rank again, each fits with ``ckpt_path="last"``: the run resumes from the step-4 checkpoint and ends
+    equal to one plain process."""
     shared = tmp_path / "shared"
     shared.mkdir()
     args = ["cut", str(shared), "2", str(ELASTIC_KILL_STEP), str(CUT_TIMEOUT), "0", "elastic"]
     with simulated_hosts(tmp_path) as sim:
         procs = start_on_hosts(sim, args, free_port(), "elastic", elastic=True)
-        try:
-            for proc in procs:
-                proc.wait(timeout=300)
-        finally:
-            for proc in procs:
-                proc.kill()  # only after a timeout
-        outputs = {host.name: (tmp_path / f"elastic_{host.name}.log").read_text()[-6000:] for host in sim.hosts}
-    assert [proc.returncode for proc in procs] == [0, 0], outputs
+        outputs = wait_for_hosts(sim, procs, "elastic")
+    assert [proc.returncode for proc in procs] == [0, 0], {host: out[-6000:] for host, out in outputs.items()}
     lost = [json.loads((shared / f"elastic_rank{rank}.json").read_text()) for rank in range(3)]
     assert all(error["type"] == "RankLostError" for error in lost), lost
     # rank 3 marked no exit: the ranks that found no mark name it by its heartbeat (its step where it beat after the
@@ -376,14 +376,8 @@ def test_a_host_whose_name_resolves_to_loopback_is_named_on_every_rank_at_start(
         started = time.monotonic()
         args = ["hosts", str(shared), "2", "zero2", "loopback"]
         procs = start_on_hosts(sim, args, free_port(), "loopback", env={"GLOO_SOCKET_IFNAME": ""})  # gloo's default
-        try:
-            for proc in procs:
-                proc.wait(timeout=300)
-        finally:
-            for proc in procs:
-                proc.kill()  # only after a timeout
+        outputs = wait_for_hosts(sim, procs, "loopback")
         seconds = time.monotonic() - started
-        outputs = {host.name: (tmp_path / f"loopback_{host.name}.log").read_text() for host in sim.hosts}
     expected = (
         "HostAddressError: Host 'host-b' (rank(s) 2, 3) would be reached at 127.0.1.1, the address its hostname "
         "'host-b' resolves to there: a loopback address, which the other hosts cannot reach, so the process group "

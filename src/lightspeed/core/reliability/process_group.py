@@ -205,8 +205,12 @@ def monitor_adopted_group() -> None:
     group (:func:`explain_timeout`); the timeout is the group's. Does nothing when the group is already watched, has
     one rank, or its store cannot open a second connection (then timeouts stay the backend's bare errors)."""
     global _heartbeat_hook_registered
-    if _monitor or not group_is_initialized() or dist.get_world_size() < 2:
+    if not group_is_initialized() or dist.get_world_size() < 2:
         return
+    group = id(dist.distributed_c10d._get_default_group())
+    if _monitor.get("adopted") == group or (_monitor and _owned):
+        return
+    _stop_heartbeat()  # the adopted group it watched was destroyed, this is another one
     store: Any = dist.distributed_c10d._get_default_store()  # clone() and timeout are not in its stubs
     try:
         client = store.clone()
@@ -214,6 +218,7 @@ def monitor_adopted_group() -> None:
         log.debug("lightspeed does not watch this process group: its store cannot be cloned (%s)", unsupported)
         return
     _start_heartbeat(client, dist.get_rank(), dist.get_world_size(), store.timeout, ADOPTED_GROUP_TIMEOUT)
+    _monitor["adopted"] = group
     if not _heartbeat_hook_registered:  # the group is not lightspeed's to destroy, the heartbeat is
         atexit.register(_stop_heartbeat)
         _heartbeat_hook_registered = True
