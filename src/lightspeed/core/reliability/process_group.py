@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightspeed.core.common.process import RankedProcess
@@ -217,11 +218,24 @@ def monitor_adopted_group() -> None:
     except (RuntimeError, NotImplementedError) as unsupported:  # a store of the user's own kind
         log.debug("lightspeed does not watch this process group: its store cannot be cloned (%s)", unsupported)
         return
-    _start_heartbeat(client, dist.get_rank(), dist.get_world_size(), store.timeout, ADOPTED_GROUP_TIMEOUT)
+    timeout = _adopted_group_timeout(store.timeout)
+    _start_heartbeat(client, dist.get_rank(), dist.get_world_size(), timeout, ADOPTED_GROUP_TIMEOUT)
     _monitor["adopted"] = group
     if not _heartbeat_hook_registered:  # the group is not lightspeed's to destroy, the heartbeat is
         atexit.register(_stop_heartbeat)
         _heartbeat_hook_registered = True
+
+
+def _adopted_group_timeout(store_timeout: timedelta) -> timedelta:
+    """The default group's own timeout (its backend's options: the collectives' limit), else its store's (the same
+    under an ``env://`` or ``tcp://`` rendezvous, as Ray's)."""
+    group: Any = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):  # no backend for that device, or no options to read
+            continue
+    return store_timeout
 
 
 def _start_heartbeat(store: Any, rank: int, world_size: int, timeout: timedelta, timeout_source: str) -> None:
