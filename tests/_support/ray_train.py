@@ -60,7 +60,7 @@ def run_torch_trainer(train_func: Callable[[dict[str, Any]], None], config: dict
         except Exception as error:
             if not hanging:
                 raise
-            (out / "driver_error.json").write_text(json.dumps({"type": type(error).__name__, "message": str(error)}))
+            record_error(out / "driver_error.json", error)
             return
     finally:
         ray.shutdown()
@@ -75,6 +75,6 @@ def stop_rank_one_at_hang_step(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def record_error(out: Path, rank: int, error: BaseException) -> None:
-    """What a worker raised, in OUT/error_rank<R>.json (its type and message)."""
-    (out / f"error_rank{rank}.json").write_text(json.dumps({"type": type(error).__name__, "message": str(error)}))
+def record_error(path: Path, error: BaseException) -> None:
+    """What a worker (OUT/error_rank<R>.json) or the driver (OUT/driver_error.json) raised: its type and message."""
+    path.write_text(json.dumps({"type": type(error).__name__, "message": str(error)}))

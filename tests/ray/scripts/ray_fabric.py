@@ -57,7 +57,7 @@ def train_func(config: dict[str, Any]) -> None:
     try:
         train_steps(config, fabric, model, optimizer, state, checkpoint is None)
     except BaseException as error:
-        record_error(out, rank, error)
+        record_error(out / f"error_rank{rank}.json", error)
         raise
     inner = model._forward_module
     weights = full_state_dict(inner.module if hasattr(inner, "module") else inner)

@@ -102,7 +102,7 @@ def train_func(config: dict[str, Any]) -> None:
                 resumed_from = json.loads(complete.read_text())
                 trainer.fit(RegressionModule(), loader, ckpt_path=str(Path(directory) / "checkpoint.ckpt"))
     except BaseException as error:
-        record_error(out, trainer.global_rank, error)
+        record_error(out / f"error_rank{trainer.global_rank}.json", error)
         raise
     weights = full_state_dict(trainer.strategy.deepspeed_engine.module)
     if trainer.global_rank == 0:

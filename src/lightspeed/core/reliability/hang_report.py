@@ -237,9 +237,9 @@ def describe_missing_ranks(
 ) -> tuple[list[int], str]:
     """Return (ranks that are not running, one-line description of every other rank's state);
     :class:`StoreUnreachable` when a read of the heartbeats takes longer than ``read_deadline`` seconds."""
-    first = within_deadline(lambda: _read(store, world_size), read_deadline)
+    first = heartbeats(store, world_size, read_deadline)
     sleep(2 * interval + 0.1)
-    second = within_deadline(lambda: _read(store, world_size), read_deadline)
+    second = heartbeats(store, world_size, read_deadline)
     stopped: list[int] = []
     notes: list[str] = []
     for other in range(world_size):

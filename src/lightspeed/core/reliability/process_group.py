@@ -316,7 +316,7 @@ def lightspeed_process_group(
         set_rendezvous_environment(process, rank_variables=rank_variables)
         init_process_group(backend, process.global_rank, process.world_size, timeout)
     yield
-    if existed and not _owned and _monitor:  # an adopted group: its timeout holds for DeepSpeed's groups too
+    if "adopted" in _monitor:  # a watched group created outside lightspeed: its timeout for DeepSpeed's groups too
         apply_timeout_to_deepspeed_groups(_monitor["timeout"])
     if not existed and group_is_initialized():
         take_ownership()
