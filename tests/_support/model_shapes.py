@@ -116,16 +116,19 @@ SKIP_BATCH, SKIP_LR, SKIP_WEIGHT_DECAY = 2, 0.05, 0.1
 SKIP_STRATEGIES = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
 #: the windows a run saves before it is resumed: the layer was skipped in the last one, used in the next
 SAVED_WINDOWS = 3
+#: a width whose gradient partitions DeepSpeed swaps to NVMe (over 1 MiB a rank), and an AdamW eps large enough at it
+#: that reduction-order noise stays below 1e-5 in the weights
+WIDE, WIDE_EPS = 1024, 0.1
 
 
 class SometimesSkipped(nn.Module):
     """A layer the forward runs only when told: one process gives it no gradient, and AdamW leaves it (weights,
     moments, step count) alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
         torch.manual_seed(34)
-        self.inner, self.skippable, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)
+        self.inner, self.skippable, self.head = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor, use_skippable: bool) -> torch.Tensor:
         hidden = torch.tanh(self.inner(x))
@@ -134,11 +137,11 @@ class SometimesSkipped(nn.Module):
         return self.head(hidden)
 
 
-def skip_data() -> TensorDataset:
+def skip_data(width: int = WIDTH) -> TensorDataset:
     """2 ranks x 4 windows x 2 micro-batches x ``SKIP_BATCH`` samples."""
     generator = torch.Generator().manual_seed(35)
     n = 2 * len(USES_SKIPPABLE) * 2 * SKIP_BATCH
-    return TensorDataset(torch.randn(n, WIDTH, generator=generator), torch.randn(n, 1, generator=generator))
+    return TensorDataset(torch.randn(n, width, generator=generator), torch.randn(n, 1, generator=generator))
 
 
 def uses_skippable(batch_idx: int) -> bool:
@@ -147,29 +150,33 @@ def uses_skippable(batch_idx: int) -> bool:
 
 
 def skip_optimizer(
-    parameters: Iterable[nn.Parameter], optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW
+    parameters: Iterable[nn.Parameter], optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, eps: float = 1e-8
 ) -> torch.optim.Optimizer:
-    """AdamW with weight decay: one process neither decays a parameter without a gradient nor advances its step count.
-    SGD: with momentum and weight decay, which a parameter without a gradient keeps out of too. Another class: with
-    its defaults (to see what lightspeed says of it)."""
+    """AdamW with weight decay: one process neither decays a parameter without a gradient nor advances its step count
+    (``eps``: large enough for a wide layer that reduction-order noise cannot flip a near-zero update). SGD: with
+    momentum and weight decay, which a parameter without a gradient keeps out of too. Another class: with its defaults
+    (to see what lightspeed says of it)."""
     if optimizer is torch.optim.AdamW:
-        return torch.optim.AdamW(parameters, lr=SKIP_LR, weight_decay=SKIP_WEIGHT_DECAY)
+        return torch.optim.AdamW(parameters, lr=SKIP_LR, weight_decay=SKIP_WEIGHT_DECAY, eps=eps)
     if optimizer is torch.optim.SGD:
         return torch.optim.SGD(parameters, lr=SKIP_LR, momentum=0.9, weight_decay=SKIP_WEIGHT_DECAY)
     return optimizer(parameters, lr=SKIP_LR)
 
 
 def skip_reference(
-    zero_gradient: bool = False, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW
+    zero_gradient: bool = False,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    width: int = WIDTH,
+    eps: float = 1e-8,
 ) -> dict[str, torch.Tensor]:
     """One plain process (AdamW, or ``optimizer_class`` as :func:`skip_optimizer` makes it), one step per window on
     both ranks' micro-batches (as the distributed sampler of a training dataloader deals them in epoch 0), each
     micro-batch's forward running the skippable layer or not; the window's loss is the mean over its samples.
     ``zero_gradient``: a parameter without a gradient gets a zero one before each step (what
-    ``unused_parameters="zero_gradient"`` does)."""
-    model = SometimesSkipped()
-    optimizer = skip_optimizer(model.parameters(), optimizer_class)
-    x, y = skip_data().tensors
+    ``unused_parameters="zero_gradient"`` does). ``width``, ``eps``: the model's width and AdamW's ``eps``."""
+    model = SometimesSkipped(width)
+    optimizer = skip_optimizer(model.parameters(), optimizer_class, eps)
+    x, y = skip_data(width).tensors
     micro_batches = rank_batches(len(x), 2, SKIP_BATCH, epoch=0)
     for window, uses in enumerate(USES_SKIPPABLE):
         optimizer.zero_grad(set_to_none=True)

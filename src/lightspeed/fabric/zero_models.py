@@ -15,7 +15,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightspeed.core.zero.nvme_swapping import sized_parameter_swapper
+from lightspeed.core.zero.nvme_swapping import lightspeed_parameter_swapper
 from lightspeed.core.zero.partitioned_build import building_into_partitions
 from lightspeed.fabric.mixin_bases import DeepSpeedStrategyBase
 
@@ -35,5 +35,9 @@ class ZeroModelsMixin(DeepSpeedStrategyBase):
     def _sharded_build(self, sharded: Callable[[], AbstractContextManager]) -> Generator[None, None, None]:
         """Lightning's ``zero.Init`` context, made (DeepSpeed sets up its parameter swapper then) inside
         lightspeed's swapper sizing, and lightspeed's build context."""
-        with sized_parameter_swapper(self.config), sharded(), building_into_partitions(self.config, self.zero_stage_3):
+        with (
+            lightspeed_parameter_swapper(self.config),
+            sharded(),
+            building_into_partitions(self.config, self.zero_stage_3),
+        ):
             yield

@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightspeed.core.zero.evaluation import gathered_for_evaluation
 from lightspeed.core.zero.generation import keep_generation_in_step
-from lightspeed.core.zero.nvme_swapping import sized_parameter_swapper
+from lightspeed.core.zero.nvme_swapping import lightspeed_parameter_swapper
 from lightspeed.core.zero.partitioned_build import building_into_partitions
 from lightspeed.strategies.mixin_bases import DeepSpeedStrategyBase
 
@@ -43,7 +43,7 @@ class ZeroModelsMixin(DeepSpeedStrategyBase):
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         with (
-            sized_parameter_swapper(self.config),  # before zero.Init sets up its swapper
+            lightspeed_parameter_swapper(self.config),  # before zero.Init sets up its swapper
             super().model_sharded_context(),
             building_into_partitions(self.config, self.zero_stage_3),
         ):

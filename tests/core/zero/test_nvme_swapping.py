@@ -17,9 +17,9 @@ from lightspeed.core.zero.config import AUTO, zero_preset
 from lightspeed.core.zero.config.resolution import fill_sizes_from_the_model, sizes_waiting_for_the_model
 from lightspeed.core.zero.nvme_swapping import (
     largest_partition,
+    lightspeed_parameter_swapper,
     parameters_held_at_once,
     size_nvme_swapping,
-    sized_parameter_swapper,
 )
 
 
@@ -127,27 +127,31 @@ def test_bucket_sizes_resolved_before_the_model_was_built_are_taken_from_it_afte
     assert sizes_waiting_for_the_model(explicit) == []
 
 
+def user_sized_nvme_config() -> dict[str, Any]:
+    config = nvme_config()
+    config["zero_optimization"]["offload_param"]["buffer_size"] = 10**6
+    return config
+
+
 @pytest.mark.parametrize(
-    ("config", "grows"),
+    ("config", "kind"),
     [
-        (nvme_config(), True),
-        (zero_preset(3, "cpu", "cpu"), False),
-        ({**nvme_config(), "aio": {"use_gds": True}}, False),  # GPUDirect Storage keeps its buffers on the GPU
+        (nvme_config(), "growing"),
+        (user_sized_nvme_config(), "once"),  # the user's buffer size is kept
+        (zero_preset(3, "cpu", "cpu"), None),
+        ({**nvme_config(), "aio": {"use_gds": True}}, None),  # GPUDirect Storage keeps its buffers on the GPU
     ],
 )
-def test_a_partitioned_build_gets_the_growing_swapper_only_where_lightspeed_sizes_nvme(
-    config: dict[str, Any], grows: bool
+def test_zero_init_gets_lightspeeds_swapper_where_parameters_are_on_nvme(
+    config: dict[str, Any], kind: str | None
 ) -> None:
     from deepspeed.runtime.zero import partition_parameters
 
     original = partition_parameters.AsyncPartitionedParameterSwapper
-    with sized_parameter_swapper(config):
+    with lightspeed_parameter_swapper(config):
         during = partition_parameters.AsyncPartitionedParameterSwapper
     assert partition_parameters.AsyncPartitionedParameterSwapper is original
-    assert (during is not original) == grows
-    if grows:
-        assert issubclass(during, original) and hasattr(during, "resize")
-    user_sized = nvme_config()
-    user_sized["zero_optimization"]["offload_param"]["buffer_size"] = 10**6
-    with sized_parameter_swapper(user_sized):
-        assert partition_parameters.AsyncPartitionedParameterSwapper is original
+    assert (during is original) == (kind is None)
+    if kind is not None:
+        assert issubclass(during, original) and during.swap_in is not original.swap_in  # each parameter once
+        assert hasattr(during, "resize") == (kind == "growing")

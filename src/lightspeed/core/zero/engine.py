@@ -36,6 +36,7 @@ from lightspeed.core.zero.cpu_optimizer import prepare_offloaded_optimizer, reta
 from lightspeed.core.zero.frozen_fingerprint import FINGERPRINT_KEY, frozen_fingerprint
 from lightspeed.core.zero.leaf_modules import LeafModules
 from lightspeed.core.zero.nvme_space import check_nvme_space
+from lightspeed.core.zero.nvme_swapping import lightspeed_parameter_swapper
 from lightspeed.core.zero.parameter_checks import check_shape_split_groups
 from lightspeed.core.zero.runtime import (
     async_io_problem,
@@ -44,6 +45,7 @@ from lightspeed.core.zero.runtime import (
     use_deepspeed_accelerator,
 )
 from lightspeed.core.zero.stale_gradients import clear_stale_gradients
+from lightspeed.core.zero.swapped_gradients import release_swapped_gradients
 from lightspeed.core.zero.unused_parameters import leave_unused_parameters
 
 __all__ = [
@@ -142,20 +144,22 @@ def initialize_engine(
     (LeafModules() if leaf_modules is None else leaf_modules).mark(model, config)
     # the parameters an optimizer trains: the client's, or the one the config's "optimizer" section describes
     trains = optimizer is not None or isinstance(config.get("optimizer"), dict)
-    engine, deepspeed_optimizer, _, scheduler = deepspeed.initialize(
-        args=argparse.Namespace(device_rank=deepspeed_device_rank(device_index, local_rank)),
-        config=config,
-        model=model,
-        model_parameters=trainable if trains else [],
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        mpu=mpu,
-        dist_init_required=False,
-    )
+    with lightspeed_parameter_swapper(config):  # a model built outside zero.Init is partitioned here
+        engine, deepspeed_optimizer, _, scheduler = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=deepspeed_device_rank(device_index, local_rank)),
+            config=config,
+            model=model,
+            model_parameters=trainable if trains else [],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            mpu=mpu,
+            dist_init_required=False,
+        )
     if trains and config_stage(config) != 3:
         run_alone_while_switched_off(engine)
     if trains:
         clear_stale_gradients(deepspeed_optimizer)
+        release_swapped_gradients(deepspeed_optimizer)
         leave_unused_parameters(engine, deepspeed_optimizer, model, unused_parameters)
     return engine, deepspeed_optimizer, scheduler
 

@@ -21,9 +21,10 @@ sub-group). Weights are unchanged: the same steps in another memory layout (chec
 the same optimizer).
 
 A model built inside ``zero.Init`` (``configure_model``, ``fabric.init_module``) meets the parameter swapper before
-its sizes are known: :func:`sized_parameter_swapper` makes ``zero.Init`` start with the smallest buffers and grow them
-to each new largest partition while the model is built (nothing else holds a buffer then), and
-:func:`size_nvme_swapping` gives it its final size before the engine is built.
+its sizes are known: :func:`lightspeed_parameter_swapper` makes ``zero.Init`` start with the smallest buffers and grow
+them to each new largest partition while the model is built (nothing else holds a buffer then), and
+:func:`size_nvme_swapping` gives it its final size before the engine is built. Its swappers also take each parameter
+once when DeepSpeed's prefetch asks for one twice (see ``ParameterSwapper``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 
 from lightspeed.core.errors import DeepSpeedConfigError
 
-__all__ = ["largest_partition", "parameters_held_at_once", "size_nvme_swapping", "sized_parameter_swapper"]
+__all__ = ["largest_partition", "lightspeed_parameter_swapper", "parameters_held_at_once", "size_nvme_swapping"]
 
 
 def _offload_device(zero: dict[str, Any], section: str) -> str:
@@ -82,7 +83,7 @@ def _sized(section: dict[str, Any], key: str, value: int, minimum: int, why: str
 
 def size_nvme_swapping(config: dict[str, Any], model: torch.nn.Module, world_size: int) -> None:
     """Fill in ``config``'s NVMe swap sizes for ``model`` (ZeRO-3 only; in place, see the module's docstring) and give
-    a parameter swapper made by :func:`sized_parameter_swapper` those sizes."""
+    a parameter swapper made by :func:`lightspeed_parameter_swapper` those sizes."""
     zero = config.get("zero_optimization")
     if not isinstance(zero, dict) or zero.get("stage") != 3:
         return
@@ -117,18 +118,31 @@ def size_nvme_swapping(config: dict[str, Any], model: torch.nn.Module, world_siz
 
 
 class _Growing:
-    """What :func:`sized_parameter_swapper`'s swappers are an instance of (DeepSpeed's class is imported lazily)."""
+    """What the growing swapper of :func:`lightspeed_parameter_swapper` is an instance of (DeepSpeed's class is
+    imported lazily)."""
 
     def resize(self, elements: int, count: int) -> None:  # pragma: no cover - replaced by the real class
         raise NotImplementedError
 
 
-def _growing_swapper_class() -> type:
+def _swapper_classes() -> tuple[type, type]:
+    """lightspeed's parameter swappers: ``(each parameter swapped in once, that one growing its buffers)``."""
     from deepspeed.runtime.swap_tensor import partitioned_param_swapper
 
     base: Any = partitioned_param_swapper.AsyncPartitionedParameterSwapper  # untyped: its attributes are Any here
 
-    class GrowingParameterSwapper(base, _Growing):
+    class ParameterSwapper(base):
+        """DeepSpeed's parameter swapper, asked for each parameter once per swap-in. DeepSpeed's NVMe prefetch lists
+        the parameters of the modules its trace expects next, and a parameter the trace uses twice in that stretch
+        (a small model, a forward that skips layers) came twice, which failed an assertion ("param N already
+        assigned swap buffer id M")."""
+
+        def swap_in(self, params: Any, async_op: bool = True, swap_in_buffers: Any = None) -> Any:
+            if swap_in_buffers is None:
+                params = list({id(param): param for param in params}.values())
+            return super().swap_in(params, async_op=async_op, swap_in_buffers=swap_in_buffers)
+
+    class GrowingParameterSwapper(ParameterSwapper, _Growing):
         """DeepSpeed's parameter swapper starting with small buffers and growing them, while none is in use, to the
         largest partition it is asked to hold (a model being built under ``zero.Init``)."""
 
@@ -165,26 +179,27 @@ def _growing_swapper_class() -> type:
                 self.resize(numel, self.param_buffer_count)
             return super().get_buffer(param, numel)
 
-    return GrowingParameterSwapper
+    return ParameterSwapper, GrowingParameterSwapper
 
 
 @contextlib.contextmanager
-def sized_parameter_swapper(config: dict[str, Any]) -> Iterator[None]:
-    """Within the block, a ``zero.Init`` under ``config`` with parameters on NVMe and no ``offload_param.buffer_size``
-    of the user's starts its parameter swapper small and grows it to the model's partitions (see the module's
-    docstring); otherwise (and with GPUDirect Storage, ``aio.use_gds``, whose buffers live on the GPU) a no-op. Enter
-    it before ``zero.Init``."""
+def lightspeed_parameter_swapper(config: dict[str, Any]) -> Iterator[None]:
+    """Within the block, a ``zero.Init`` under ``config`` with parameters on NVMe gets lightspeed's parameter swapper,
+    which swaps each parameter in once however often DeepSpeed's prefetch lists it; without an
+    ``offload_param.buffer_size`` of the user's it also starts small and grows to the model's partitions (see the
+    module's docstring). Otherwise (and with GPUDirect Storage, ``aio.use_gds``, whose buffers live on the GPU) a
+    no-op. Enter it before ``zero.Init``."""
     zero = config.get("zero_optimization")
     offload = zero.get("offload_param") if isinstance(zero, dict) else None
     direct_to_gpu = bool((config.get("aio") or {}).get("use_gds"))  # GPUDirect Storage: buffers on the device
-    sized_by_lightspeed = isinstance(offload, dict) and offload.get("device") == "nvme" and "buffer_size" not in offload
-    if not sized_by_lightspeed or direct_to_gpu:
+    if not isinstance(offload, dict) or offload.get("device") != "nvme" or direct_to_gpu:
         yield
         return
     from deepspeed.runtime.zero import partition_parameters
 
+    once, growing = _swapper_classes()
     original = partition_parameters.AsyncPartitionedParameterSwapper
-    partition_parameters.AsyncPartitionedParameterSwapper = _growing_swapper_class()
+    partition_parameters.AsyncPartitionedParameterSwapper = once if "buffer_size" in offload else growing
     try:
         yield
     finally:

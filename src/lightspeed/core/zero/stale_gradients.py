@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from lightspeed.core.zero.swapped_gradients import zero_gradient_partition
+
 __all__ = ["clear_stale_gradients", "complete_window_gradients"]
 
 
@@ -103,9 +105,7 @@ def _zero3_unreduced_to_zero(optimizer: Any) -> None:
 
 
 def _zero3_window_buffers_to_zero(optimizer: Any) -> None:
-    buffer = optimizer.grad_partitions_flat_buffer
-    if buffer is not None:
-        buffer.zero_()
+    zero_gradient_partition(optimizer)  # without paging it in where the gradients are on NVMe
 
 
 def _offloaded_unreduced_to_zero(optimizer: Any) -> None:
