@@ -16,6 +16,8 @@ import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
+from lightspeed.core.zero.hf_shard_loading import one_shard_at_a_time
+
 __all__ = ["transformers_zero3"]
 
 
@@ -39,7 +41,8 @@ class _ZeroConfigForTransformers:
 @contextlib.contextmanager
 def transformers_zero3(config: dict[str, Any], enabled: bool = True) -> Iterator[None]:
     """Within the block, transformers sees ``config`` as its DeepSpeed config (models it builds are partitioned as
-    they are built when the config is ZeRO-3); the previous registration is restored afterwards. A no-op when
+    they are built when the config is ZeRO-3, and loaded one checkpoint shard at a time:
+    :mod:`~lightspeed.core.zero.hf_shard_loading`); the previous registration is restored afterwards. A no-op when
     transformers is not installed or ``enabled`` is false."""
     if not enabled or importlib.util.find_spec("transformers") is None:
         yield
@@ -50,6 +53,7 @@ def transformers_zero3(config: dict[str, Any], enabled: bool = True) -> Iterator
     registered = _ZeroConfigForTransformers(config)
     hf_deepspeed.set_hf_deepspeed_config(registered)
     try:
-        yield
+        with one_shard_at_a_time() if registered.is_zero3() else contextlib.nullcontext():
+            yield
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = previous
