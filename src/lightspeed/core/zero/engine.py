@@ -45,7 +45,7 @@ from lightspeed.core.zero.runtime import (
     use_deepspeed_accelerator,
 )
 from lightspeed.core.zero.stale_gradients import clear_stale_gradients
-from lightspeed.core.zero.swapped_gradients import release_swapped_gradients
+from lightspeed.core.zero.swapped_gradients import gradient_partition_allocated_untouched, release_swapped_gradients
 from lightspeed.core.zero.unused_parameters import leave_unused_parameters
 
 __all__ = [
@@ -144,7 +144,10 @@ def initialize_engine(
     (LeafModules() if leaf_modules is None else leaf_modules).mark(model, config)
     # the parameters an optimizer trains: the client's, or the one the config's "optimizer" section describes
     trains = optimizer is not None or isinstance(config.get("optimizer"), dict)
-    with lightspeed_parameter_swapper(config):  # a model built outside zero.Init is partitioned here
+    with (
+        lightspeed_parameter_swapper(config),  # a model built outside zero.Init is partitioned here
+        gradient_partition_allocated_untouched(config),
+    ):
         engine, deepspeed_optimizer, _, scheduler = deepspeed.initialize(
             args=argparse.Namespace(device_rank=deepspeed_device_rank(device_index, local_rank)),
             config=config,

@@ -7,6 +7,9 @@ parameter's slot there is live only from its first reduction in an accumulation 
 the window swaps it out to NVMe; the step reads the NVMe copy, and the slots are then zeroed for the next window
 (:mod:`~lightspeed.core.zero.stale_gradients`).
 
+:func:`gradient_partition_allocated_untouched` has DeepSpeed allocate the buffer without writing its zeros (fresh
+pages read as zeros), so that building the optimizer does not page in the whole partition either.
+
 :func:`release_swapped_gradients` gives each slot's pages back to the operating system
 (:mod:`~lightspeed.core.common.page_release`) right after the closing backward swapped it out, and
 :func:`zero_gradient_partition` zeroes the buffer after the step by giving its pages back instead of writing them
@@ -18,14 +21,23 @@ fp16, whose overflow check reads the whole buffer after the swap-out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from lightspeed.core.common.page_release import give_back_pages, zero_without_touching
 
-__all__ = ["gives_back_gradient_memory", "release_swapped_gradients", "zero_gradient_partition"]
+__all__ = [
+    "gives_back_gradient_memory",
+    "gradient_partition_allocated_untouched",
+    "release_swapped_gradients",
+    "zero_gradient_partition",
+]
+
+#: zero-filled CPU tensors from this many bytes up are allocated without writing their pages (optimizer build)
+_UNTOUCHED_FROM_BYTES = 1 << 20
 
 
 def gives_back_gradient_memory(optimizer: Any) -> bool:
@@ -87,3 +99,48 @@ def release_swapped_gradients(optimizer: Any) -> bool:
     optimizer.partition_grads = partition_and_release
     zero_without_touching(optimizer.grad_partitions_flat_buffer)  # zeros since it was allocated
     return True
+
+
+class _TorchAllocatingZerosUntouched:
+    """``torch`` as DeepSpeed's ZeRO-3 module sees it while its optimizer is built: the same, except that a large
+    zero-filled CPU tensor is allocated without writing its pages (they read as zeros until written)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: Any, **options: Any) -> torch.Tensor:
+        tensor = torch.zeros(0, **options)  # dtype, device and any option checked by torch itself
+        shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
+        if tensor.device.type != "cpu" or set(options) - {"dtype", "device"}:
+            return torch.zeros(*size, **options)
+        tensor = torch.empty(shape, dtype=tensor.dtype, device="cpu")
+        if tensor.numel() * tensor.element_size() < _UNTOUCHED_FROM_BYTES:
+            return tensor.zero_()
+        zero_without_touching(tensor)
+        return tensor
+
+
+def _swaps_gradients(config: dict[str, Any]) -> bool:
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("stage") != 3 or (config.get("fp16") or {}).get("enabled"):
+        return False
+    offload = zero.get("offload_optimizer")
+    return isinstance(offload, dict) and offload.get("device") == "nvme"
+
+
+@contextlib.contextmanager
+def gradient_partition_allocated_untouched(config: dict[str, Any]) -> Iterator[None]:
+    """Within the block, a ZeRO-3 optimizer built under ``config`` with its states on NVMe (outside fp16) allocates its
+    gradient partition (and any other large zero-filled host tensor) without paging it in; a no-op otherwise."""
+    if not _swaps_gradients(config):
+        yield
+        return
+    from deepspeed.runtime.zero import stage3
+
+    stage3_module: Any = stage3
+    stage3_module.torch = _TorchAllocatingZerosUntouched()
+    try:
+        yield
+    finally:
+        stage3_module.torch = torch
