@@ -92,6 +92,7 @@ def test_measured_budgets_pick_zero1_for_a_small_model(results, regression_refer
     counts = count_parameters(RegressionModule())
     assert meta["plan_counts"] == [counts.total_params, counts.largest_layer_params]
     assert meta["plan_budgets"][0] is None and meta["plan_budgets"][1] > 2**30  # CPU: devices share host memory
+    assert meta["plan_accumulation"] == 1  # the Trainer's (None: not known, planned as accumulating)
     assert meta["global_step"] == STEPS and meta["world_size"] == DEVICES
     _assert_weights(results, "measured", regression_reference)
 

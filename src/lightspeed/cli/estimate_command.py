@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bf16 optimizer moments too (needs --bf16-master-weights-and-grads)",
     )
+    parser.add_argument(
+        "--accumulate-grad-batches",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step, as the Trainer's argument (default 1)",
+    )
     parser.add_argument("--device-memory", metavar="SIZE", help=DEVICE_MEMORY_HELP)
     parser.add_argument("--host-memory", metavar="SIZE", help=HOST_MEMORY_HELP)
     add_deprecated_alias(parser, "--gpu-memory", "--device-memory")

@@ -73,6 +73,13 @@ class ZeroAutoStrategy(ZeroStrategy):
         self.tuned_micro_batch: int | None = None
 
     # ------------------------------------------------------------------ measuring and choosing
+    def _accumulation(self) -> int | None:
+        """The Trainer's ``accumulate_grad_batches`` (None without a Trainer attached)."""
+        try:
+            return int(self.lightning_module.trainer.accumulate_grad_batches)  # type: ignore[union-attr]
+        except (AttributeError, RuntimeError):
+            return None
+
     def _model_has_parameters(self) -> bool:
         module = self.lightning_module
         return module is not None and any(True for _ in module.parameters())
@@ -82,7 +89,7 @@ class ZeroAutoStrategy(ZeroStrategy):
         devices = len(self.parallel_devices or ())
         precision = self.precision_plugin.precision
         decision = self.request.decide(
-            self._module(), devices, self.num_nodes, precision, self.root_device, rank_zero_info
+            self._module(), devices, self.num_nodes, precision, self.root_device, rank_zero_info, self._accumulation()
         )
         self.memory_plan = decision.plan
         self.config = decision.config

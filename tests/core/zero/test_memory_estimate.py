@@ -126,11 +126,17 @@ def test_nvme_keeps_states_on_disk_and_only_swap_buffers_in_host_memory():
     assert nvme.nvme_per_node == 18 * 10_000_000_000 // 2  # 2 (16-bit) + 4 (fp32) + 12 (master + moments) per node
     # swapping sized from the model: the largest layer's partition over 16 processes is 6.25M elements; each of a
     # node's 8 processes holds 3 parameter buffers of it and the largest layer in full (16-bit), the optimizer's 4
-    # fp32 buffers for one sub-group (one parameter), and its gradient partition (625M 16-bit elements)
+    # fp32 buffers for one sub-group (one parameter), and one parameter's gradient slot at a time (16-bit): the
+    # gradient partition gives its memory back once on NVMe; accumulating steps (or not known to be one micro-batch)
+    # hold the whole partition (625M 16-bit elements) between the micro-batches
     assert nvme.host.params == 8 * (3 * 6_250_000 + 100_000_000) * 2
     assert nvme.host.optimizer == 8 * 4 * 4 * 6_250_000
-    assert nvme.host.grads == 8 * 2 * 625_000_000
+    assert nvme.host.grads == 8 * 2 * 6_250_000
     assert nvme.host.steady < cpu.host.steady / 3
+    for accumulation in (4, None):
+        accumulating = Accounting(accumulate_grad_batches=accumulation)
+        held = estimate_option(OPTIONS["zero3_nvme"], counts, Cluster(8, nodes=2), accumulating)
+        assert held.host.grads == 8 * 2 * 625_000_000
     # a sub_group_size of the user's: a sub-group closes once it reaches it, so up to sub_group_size + partition - 1
     grouped = estimate_option(
         OPTIONS["zero3_nvme"], counts, Cluster(8, nodes=2), Accounting(sub_group_size=100_000_000)
@@ -236,9 +242,13 @@ def test_cpu_peak_of_zero3_nvme_is_the_built_model_and_the_swap_buffers():
     parameter_buffers = (3 * partition + LARGEST) * 4  # 3 buffers + DeepSpeed's partitioned swap buffer
     optimizer_buffers = 4 * 4 * partition
     assert _cpu_peak("zero3_nvme") == M + parameter_buffers + optimizer_buffers
-    # built partitioned: the steady state (gathered layer and its gradient, the gradient partition, the buffers)
-    steady = 2 * 4 * LARGEST + P + parameter_buffers + optimizer_buffers
+    # built partitioned: the steady state (gathered layer and its gradient, one parameter's gradient slot, the
+    # buffers); with accumulation (or not known to be without) the whole gradient partition
+    steady = 2 * 4 * LARGEST + 4 * partition + parameter_buffers + optimizer_buffers
     assert _cpu_peak("zero3_nvme", zero_init=True) == steady
+    for accumulation in (2, None):
+        held = _cpu_peak("zero3_nvme", zero_init=True, accumulate_grad_batches=accumulation)
+        assert held == steady - 4 * partition + P
 
 
 def test_nvme_needs_a_path_and_a_usable_async_io():
@@ -355,6 +365,8 @@ def test_bad_cluster_precision_and_margin():
         Cluster(1, nodes=-2)
     with pytest.raises(MemoryPlanError, match=r"Unsupported precision '64-true'"):
         Accounting(precision="64-true")
+    with pytest.raises(MemoryPlanError, match=r"^accumulate_grad_batches must be at least 1, got 0\.$"):
+        Accounting(accumulate_grad_batches=0)
 
 
 @pytest.mark.parametrize("precision", ["16", "32", "bf16", 16, "64-true"])

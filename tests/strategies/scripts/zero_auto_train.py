@@ -83,6 +83,7 @@ def main() -> None:
                     strategy.memory_plan.counts.largest_layer_params,
                 ],
                 plan_budgets=[strategy.memory_plan.budgets.device_memory, strategy.memory_plan.budgets.host_memory],
+                plan_accumulation=strategy.memory_plan.accounting.accumulate_grad_batches,
                 logged=[m for m in capture.messages if "zero_auto" in m],
             )
             if trainer.is_global_zero:

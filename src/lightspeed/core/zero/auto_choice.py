@@ -110,13 +110,16 @@ def choose_zero_option(
     optimizer_state_bytes: int,
     safety_margin: float,
     tuning: ZeroTuning | None = None,
+    accumulate_grad_batches: int | None = None,
 ) -> tuple[Plan, ZeroOption]:
     """The memory plan for ``module`` and the fastest option that fits (with the low-memory bf16 states ``tuning``
-    asks for); raises :class:`MemoryPlanError` saying what to change when none does."""
+    asks for; ``accumulate_grad_batches`` None where the front end does not know it); raises
+    :class:`MemoryPlanError` saying what to change when none does."""
     tuning = tuning or ZeroTuning()
     accounting = Accounting(
         precision=precision,
         optimizer_state_bytes=optimizer_state_bytes,
+        accumulate_grad_batches=accumulate_grad_batches,
         bf16_master_weights_and_grads=tuning.bf16_master_weights_and_grads,
         bf16_optimizer_states=tuning.bf16_optimizer_states,
     )
@@ -198,13 +201,22 @@ class ZeroAutoRequest:
         precision: str,
         device: torch.device | None,
         info: Callable[[str], None],
+        accumulate_grad_batches: int | None = None,
     ) -> ZeroAutoDecision:
         """Measure this rank's budgets (overrides first), agree on the smallest over all ranks (a collective), plan,
-        choose and log the plan's table through ``info``; raises :class:`MemoryPlanError` when nothing fits."""
+        choose and log the plan's table through ``info``; raises :class:`MemoryPlanError` when nothing fits.
+        ``accumulate_grad_batches``: the micro-batches of a step (None: not known, planned as several)."""
         budgets = agreed_budgets(measure_budgets(self.device_memory, self.host_memory, self.nvme_path, device=device))
         cluster = Cluster(devices_per_node=max(1, devices_per_node), nodes=max(1, nodes))
         result, option = choose_zero_option(
-            module, cluster, budgets, precision, self.optimizer_state_bytes, self.safety_margin, self.tuning
+            module,
+            cluster,
+            budgets,
+            precision,
+            self.optimizer_state_bytes,
+            self.safety_margin,
+            self.tuning,
+            accumulate_grad_batches,
         )
         info(f"lightspeed zero_auto: memory plan\n{format_table(result)}")
         return ZeroAutoDecision(result, option, zero_auto_config(option, self.user_config, self.tuning, self.nvme_path))

@@ -130,6 +130,9 @@ class Accounting:
     """DeepSpeed's bf16 master weights and gradients (the strategies' argument of the same name): 2 bytes each."""
     bf16_optimizer_states: bool = False
     """DeepSpeed's bf16 optimizer moments: ``optimizer_state_bytes`` halved."""
+    accumulate_grad_batches: int | None = 1
+    """Micro-batches per optimizer step (None: not known, counted as several). ZeRO-3 NVMe: with one, a gradient
+    partition's host memory is given back as soon as it is on NVMe; with several it holds the window's gradients."""
 
     def __post_init__(self) -> None:
         low_memory = self.bf16_master_weights_and_grads or self.bf16_optimizer_states
@@ -149,6 +152,8 @@ class Accounting:
             raise MemoryPlanError(f"optimizer_state_bytes must be 0 or more, got {self.optimizer_state_bytes}.")
         if self.buffer_factor < 1:
             raise MemoryPlanError(f"The buffer factor must be at least 1, got {self.buffer_factor}.")
+        if self.accumulate_grad_batches is not None and self.accumulate_grad_batches < 1:
+            raise MemoryPlanError(f"accumulate_grad_batches must be at least 1, got {self.accumulate_grad_batches}.")
 
     @property
     def param_bytes(self) -> int:
@@ -279,17 +284,18 @@ def estimate_option(
             host_grads = mb * per_node
             host_optimizer = master_and_states * per_node
         if option.offload_optimizer == "nvme":
-            # swapping sized from the model (core/zero/nvme_swapping.py): per process the gradient partition
-            # (DeepSpeed always allocates it, in the parameters' dtype), the parameter swap buffers, one full copy of
-            # the largest parameter (DeepSpeed's partitioned swap buffer) and the optimizer swapper's fp32 buffers for
-            # one sub-group (the weights, gradient and each moment); everything else is on disk
+            # swapping sized from the model (core/zero/nvme_swapping.py): per process the gradient partition (in the
+            # parameters' dtype; resident only between the micro-batches of a window, else one parameter's slot at a
+            # time: core/zero/swapped_gradients.py), the parameter swap buffers, one full copy of the largest
+            # parameter (DeepSpeed's partitioned swap buffer) and the optimizer swapper's fp32 buffers for one
+            # sub-group (the weights, gradient and each moment); everything else is on disk
             partition = math.ceil(largest / cluster.total_devices)
             sub_group = partition
             if accounting.sub_group_size is not None:
                 sub_group = min(math.ceil(per_device), accounting.sub_group_size + partition - 1)
             buffer = accounting.nvme_param_buffer_size or max(partition, sub_group)
             host_params = g * (accounting.nvme_param_buffer_count * buffer + largest) * pb
-            host_grads = pb * per_node
+            host_grads = pb * (g * partition if accounting.accumulate_grad_batches == 1 else per_node)
             host_optimizer = g * accounting.nvme_optimizer_buffer_count * FP32_BYTES * sub_group
             nvme = (pb + mb + master_and_states) * per_node
         elif option.offload_parameters == "nvme":
@@ -329,7 +335,7 @@ def cpu_process_peak(
       built in full (without zero.Init) is below that peak.
     - ZeRO-3 on NVMe (lightspeed's sizing: reuse distance 0, swap buffers from the model): the larger of the model
       the process builds plus the swap buffers (both live while DeepSpeed partitions and swaps it out), and the
-      steady state (the gradient partition and the buffers).
+      steady state (the buffers, and the gradient partition when the steps accumulate).
     - Part of the states offloaded to "the CPU" (``zero2_offload``, ``zero3_offload_optimizer``,
       ``zero3_offload_params``): nothing leaves the process's memory, and DeepSpeed's offload buffers come on top;
       measured 1.4-1.7x the option without offload at 50M parameters. Counted, on the safe side, as that option plus
