@@ -44,6 +44,13 @@ class BigModelShape:
 
             return sum(p.numel() for p in LlamaForCausalLM(self.config()).parameters())
 
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token of a ``SEQ``-token sequence (forward and backward, 3x the forward): every weight but
+        the input embedding (a lookup) multiplies the token (2 FLOPs a weight), and in every layer attention compares
+        it with the sequence's tokens (scores and weighted sum: 4 x hidden FLOPs a token pair)."""
+        forward = 2 * (self.parameters() - self.vocab * self.hidden) + 4 * self.layers * self.hidden * SEQ
+        return 3 * forward
+
     def as_args(self) -> list[str]:
         return ["--hidden", str(self.hidden), "--layers", str(self.layers), "--vocab", str(self.vocab)]
 
