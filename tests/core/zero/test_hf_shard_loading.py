@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _support.big_model import BigModelShape
 from _support.launch import REPO_ROOT, run_torchrun
 
 SCRIPT = REPO_ROOT / "tests" / "core" / "zero" / "scripts" / "hf_shard_loading.py"
@@ -17,19 +18,10 @@ SHARD = 10 * 2**20
 
 
 def llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=2048,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(BigModelShape(hidden=512, layers=8, vocab=2048).config())
 
 
 @pytest.fixture(scope="module")
