@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["give_back_pages", "zero_without_touching"]
+__all__ = ["byte_range", "give_back_pages", "zero_without_touching"]
 
 _MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
 
@@ -49,7 +49,8 @@ def give_back_pages(start: int, end: int) -> bool:
     return bool(madvise(first, last - first, _MADV_DONTNEED) == 0)
 
 
-def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The process's bytes ``[start, end)`` under a contiguous tensor."""
     start = tensor.data_ptr()
     return start, start + tensor.numel() * tensor.element_size()
 
@@ -60,7 +61,7 @@ def zero_without_touching(tensor: torch.Tensor) -> None:
     if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
         tensor.zero_()
         return
-    start, end = _byte_range(tensor)
+    start, end = byte_range(tensor)
     first, last = _interior(start, end)
     if last <= first or not give_back_pages(start, end):
         tensor.zero_()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightspeed.core.common.page_release import give_back_pages, zero_without_touching
+from lightspeed.core.common.page_release import byte_range, give_back_pages, zero_without_touching
 
 __all__ = [
     "gives_back_gradient_memory",
@@ -67,18 +67,13 @@ def zero_gradient_partition(optimizer: Any) -> None:
 
 def _still_referred_to(optimizer: Any) -> list[tuple[int, int]]:
     """Byte ranges of the gradients the NVMe swapper keeps in memory instead of writing them out."""
-    ranges = []
-    for info in optimizer.optimizer_swapper.swap_params_info.values():
-        for tensor in info.unswapped_gradients.values():
-            start = tensor.data_ptr()
-            ranges.append((start, start + tensor.numel() * tensor.element_size()))
-    return ranges
+    infos = optimizer.optimizer_swapper.swap_params_info.values()
+    return [byte_range(tensor) for info in infos for tensor in info.unswapped_gradients.values()]
 
 
 def _give_back(slots: Iterable[torch.Tensor], kept: list[tuple[int, int]]) -> None:
     for slot in slots:
-        start = slot.data_ptr()
-        end = start + slot.numel() * slot.element_size()
+        start, end = byte_range(slot)
         if not any(k_start < end and start < k_end for k_start, k_end in kept):
             give_back_pages(start, end)
 
