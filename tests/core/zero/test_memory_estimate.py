@@ -241,7 +241,7 @@ def test_cpu_peak_of_zero3_nvme_is_the_built_model_and_the_swap_buffers():
     partition = LARGEST // 2  # of the largest parameter: one parameter swap buffer, one optimizer sub-group
     parameter_buffers = (3 * partition + LARGEST) * 4  # 3 buffers + DeepSpeed's partitioned swap buffer
     optimizer_buffers = 4 * 4 * partition
-    assert _cpu_peak("zero3_nvme") == M + parameter_buffers + optimizer_buffers
+    assert _cpu_peak("zero3_nvme") == M + parameter_buffers  # the optimizer's buffers come once the model is gone
     # built partitioned: the steady state (gathered layer and its gradient, one parameter's gradient slot, the
     # buffers); with accumulation (or not known to be without) the whole gradient partition
     steady = 2 * 4 * LARGEST + 4 * partition + parameter_buffers + optimizer_buffers

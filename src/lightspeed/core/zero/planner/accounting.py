@@ -334,8 +334,9 @@ def cpu_process_peak(
       ``GATHERED_PARAMETERS`` in place of the estimator's largest layer twice, and the step's partition; the model
       built in full (without zero.Init) is below that peak.
     - ZeRO-3 on NVMe (lightspeed's sizing: reuse distance 0, swap buffers from the model): the larger of the model
-      the process builds plus the swap buffers (both live while DeepSpeed partitions and swaps it out), and the
-      steady state (the buffers, and the gradient partition when the steps accumulate).
+      the process builds plus the parameter swap buffers (both live while DeepSpeed partitions and swaps it out; the
+      optimizer's buffers are made after that), and the steady state (the buffers, and the gradient partition when
+      the steps accumulate).
     - Part of the states offloaded to "the CPU" (``zero2_offload``, ``zero3_offload_optimizer``,
       ``zero3_offload_params``): nothing leaves the process's memory, and DeepSpeed's offload buffers come on top;
       measured 1.4-1.7x the option without offload at 50M parameters. Counted, on the safe side, as that option plus
@@ -355,8 +356,8 @@ def cpu_process_peak(
     if option.stage in (1, 2):
         return int(max(load, states + step_temporary))
     if option.offload_optimizer == "nvme":
-        buffers = (host.params + host.optimizer) / g
-        return int(max(load + buffers, states))
+        parameter_buffers = host.params / g  # the optimizer's come once the built model is partitioned (and gone)
+        return int(max(load + parameter_buffers, states))
     gathered_layer_terms = 2 * accounting.param_bytes * counts.largest_layer_params  # in device.params and .grads
     gathered = accounting.param_bytes * min(counts.total_params, GATHERED_PARAMETERS)
     return int(max(load, states - gathered_layer_terms + gathered + step_temporary))
