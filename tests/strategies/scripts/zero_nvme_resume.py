@@ -1,0 +1,37 @@
+"""Worker: a Trainer run under ``zero3_nvme`` (2 CPU ranks) saves a checkpoint after 2 steps; a new Trainer under the
+same strategy is asked to resume from it. Each rank writes OUT/result_<rank>.json: the error it raised (or None).
+
+usage: zero_nvme_resume.py OUT
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+import lightspeed  # noqa: F401  (registers the strategy names)
+from _support.models import RegressionModule, make_regression_data
+from _support.trainers import quiet_trainer
+from lightspeed.errors import CheckpointError
+
+
+def main(out: Path) -> None:
+    loader = DataLoader(make_regression_data(), batch_size=4)
+    common = {"strategy": "zero3_nvme", "accelerator": "cpu", "devices": 2}
+    saver = ModelCheckpoint(dirpath=out, filename="mid", every_n_train_steps=2, save_top_k=-1)
+    quiet_trainer(**common, max_steps=2, callbacks=[saver], enable_checkpointing=True).fit(RegressionModule(), loader)
+    trainer = quiet_trainer(**common, max_steps=4)
+    error = None
+    try:
+        trainer.fit(RegressionModule(), loader, ckpt_path=out / "mid.ckpt")
+    except CheckpointError as raised:
+        error = f"{type(raised).__name__}: {raised}"
+    (out / f"result_{trainer.global_rank}.json").write_text(json.dumps(error))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
