@@ -11,7 +11,7 @@ each process needs), the partitioned model generates a few tokens greedily at th
 ``ZeroExport`` streams the fine-tuned weights into safetensors shards with ``config.json``. Step 3 reloads the export
 with ``from_pretrained`` in one plain process and generates the same tokens.
 
-    python examples/big_finetune.py --nvme-path /mnt/nvme/lightspeed        # 2.09B; about 10 minutes a step here
+    python examples/big_finetune.py --nvme-path /mnt/nvme/lightspeed        # 2.09B; 13 minutes in all here
     python examples/big_finetune.py --hidden 64 --layers 2 --vocab 256 --steps 2   # seconds
 
 ``bench/big_model.py`` measures the same run: peak memory against the training state, step time against disk I/O.
