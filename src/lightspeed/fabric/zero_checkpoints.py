@@ -144,8 +144,6 @@ class ZeroCheckpointsMixin(SeveralModelsMixin):
             node_rank=self.node_rank if self._session.node_local_storage else None,
             warn=rank_zero_warn,
         )
-        if engine is not None and self._session.node_local_storage:
-            load_policy.refuse_nvme_optimizer_resume(engine, target)
         if engine is None or self._session.node_local_storage:
             return super().load_checkpoint(target, state, strict=strict, weights_only=weights_only)
         strict = load_policy.deepspeed_strict(target, strict)  # checked above; frozen parameters left out pass

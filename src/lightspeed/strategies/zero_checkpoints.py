@@ -122,8 +122,6 @@ class ZeroCheckpointsMixin(SeveralModelsMixin):
             return load_policy.load_weights_for_evaluation(
                 module, path, rank=self.global_rank, strict=module.strict_loading
             )
-        if self._session.node_local_storage and not self.load_full_weights:
-            load_policy.refuse_nvme_optimizer_resume(self.deepspeed_engine, path)
         if self.load_full_weights or self._session.node_local_storage:
             return super().load_checkpoint(checkpoint_path, weights_only)
         engine = self.deepspeed_engine

@@ -31,6 +31,7 @@ from lightspeed.core.reliability import staging as atomic_dir
 from lightspeed.core.reliability.node_local import require_part as require_node_local_part
 from lightspeed.core.zero.engine import CHECKPOINT_TAG, FROZEN_EXCLUDED_KEY, check_loadable
 from lightspeed.core.zero.frozen_fingerprint import FINGERPRINT_KEY, check_frozen_fingerprint
+from lightspeed.core.zero.nvme_resume import refuse_nvme_optimizer_resume
 from lightspeed.core.zero.weights import check_fits, load_zero_weights, read_client_state, read_structure
 
 __all__ = [
@@ -163,7 +164,6 @@ def load_models(
                 modules[name], folder, rank=rank, strict=strict, frozen_excluded=excluded
             )
         else:
-            refuse_nvme_optimizer_resume(engines[name], folder)
             _, state = engines[name].load_checkpoint(
                 str(folder),
                 tag=CHECKPOINT_TAG,
@@ -250,22 +250,6 @@ def _check_node_local_part(path: Path, node_rank: int) -> None:
         )
 
 
-def refuse_nvme_optimizer_resume(engine: Any, path: str | os.PathLike[str]) -> None:
-    """Raise :class:`CheckpointError` before ``engine`` (on every rank alike) resumes training from ``path`` with its
-    optimizer states on NVMe: DeepSpeed 0.19 does not restore them exactly (a full fine-tune resumed under
-    ``zero3_nvme`` ended 0.15 off the uninterrupted run two steps later, a LoRA run under Fabric 1.3e-4), and a resume
-    that silently continues from other states is worse than none."""
-    if not getattr(getattr(engine, "optimizer", None), "swap_optimizer", False):
-        return
-    raise CheckpointError(
-        f"Resuming from {str(path)!r} with the optimizer states on NVMe (zero3_nvme): DeepSpeed does not restore "
-        "NVMe-swapped optimizer states exactly, so lightspeed refuses rather than continue from other states. The "
-        "checkpoint itself is complete: export its weights (`lightspeed export`) to evaluate them or to start a new "
-        "run from them; to resume runs exactly, train with the optimizer states in memory or on the CPU (zero3, "
-        "zero3_offload)."
-    )
-
-
 @contextmanager
 def checkpoint_to_load(
     engine: Any, path: str | os.PathLike[str], world_size: int, *, info: Callable[[str], None]
@@ -277,7 +261,7 @@ def checkpoint_to_load(
     switched to universal loading while the caller loads, and the converted copy is deleted afterwards; ``info`` is
     told. Otherwise ``path`` itself is yielded."""
     path = Path(path)
-    refuse_nvme_optimizer_resume(engine, path)
+    refuse_nvme_optimizer_resume(engine, path)  # before any resharding (the engine refuses too)
     saved = reshard.saved_world_size(path) if path.is_dir() else None
     if saved is None or saved == world_size:
         yield str(path)
