@@ -379,14 +379,19 @@ def test_a_host_whose_name_resolves_to_loopback_is_named_on_every_rank_at_start(
         outputs = wait_for_hosts(sim, procs, "loopback")
         seconds = time.monotonic() - started
     expected = (
-        "HostAddressError: Host 'host-b' (rank(s) 2, 3) would be reached at 127.0.1.1, the address its hostname "
-        "'host-b' resolves to there: a loopback address, which the other hosts cannot reach, so the process group "
-        "could never connect. Make the name resolve to the address the other hosts reach it at (its line in "
-        "/etc/hosts), or set GLOO_SOCKET_IFNAME to the interface that faces them (e.g. GLOO_SOCKET_IFNAME=eth0) on "
-        "every host."
+        "Host 'host-b' (rank(s) 2, 3) would be reached at 127.0.1.1, the address its hostname 'host-b' resolves to "
+        "there: a loopback address, which the other hosts cannot reach, so the process group could never connect. "
+        "Make the name resolve to the address the other hosts reach it at (its line in /etc/hosts), or set "
+        "GLOO_SOCKET_IFNAME to the interface that faces them (e.g. GLOO_SOCKET_IFNAME=eth0) on every host."
     )
-    for host, output in outputs.items():
-        # every host's log names it (its second rank may be stopped by torchrun once the first one failed)
+    errors = {rank: shared / f"loopback_error_rank{rank}.json" for rank in range(4)}
+    raised = {rank: json.loads(path.read_text()) for rank, path in errors.items() if path.exists()}
+    for rank, error in raised.items():
+        assert error == {**error, "type": "HostAddressError", "message": expected}, f"rank {rank}: {error}"
+    for node, (host, output) in enumerate(outputs.items()):
+        # every host has a rank that raised it (its second rank may be stopped by torchrun once the first one
+        # failed), and its log shows the message (its ranks' tracebacks interleave there, the message is one write)
+        assert {2 * node, 2 * node + 1} & set(raised), f"no rank on {host} raised:\n{output[-6000:]}"
         assert expected in output, f"{host}:\n{output[-6000:]}"
     assert all(proc.returncode != 0 for proc in procs)
     assert seconds < 120, seconds  # the strategy's timeout is Lightning's 30 minutes

@@ -13,7 +13,8 @@ usage: multinode.py MODE SHARED NUM_NODES [RUNS TAG | STEP TIMEOUT SLEEP PHASE]
              runs named in RUNS (comma-separated) for 2 epochs each: a strategy name (``zero3``, ``zero2_offload``),
              or ``zero3_node_local``: 1 epoch with node-local checkpoints in ./ckpt, resumed to 2 epochs. Rank 0
              writes SHARED/weights_<TAG>.pt, every rank SHARED/<TAG>_rank<R>.json (its hostname, its host's address,
-             the rendezvous address, its place).
+             the rendezvous address, its place); a rank whose run raises, SHARED/<TAG>_error_rank<R>.json (the
+             exception's type and message) before raising it again.
   cut      - one torchrun per simulated host: zero2 with ``timeout=TIMEOUT`` seconds (default 10) for 60 steps, a
              checkpoint in SHARED/cut_ckpt every 4 steps; after step STEP (default 5) rank 0 writes SHARED/cut_now and
              every rank sleeps SLEEP seconds (default 4), so that the test cuts the link between two steps, not inside
@@ -153,7 +154,21 @@ def mismatch(shared: Path, num_nodes: int) -> None:
     (shared / f"mismatch_rank{os.environ.get('RANK', '0')}.txt").write_text(outcome)
 
 
+def record_failure(path: Path, err: BaseException) -> None:
+    """The exception a rank's fit raised, as JSON (type, message, time): the ranks of one host share one log, where
+    the pieces of their tracebacks interleave, so a test reads each rank's error from here."""
+    path.write_text(json.dumps({"type": type(err).__name__, "message": str(err), "time": time.time()}))
+
+
 def hosts(shared: Path, num_nodes: int, runs: str = "zero3", tag: str = "hosts") -> None:
+    try:
+        _hosts(shared, num_nodes, runs, tag)
+    except BaseException as err:
+        record_failure(shared / f"{tag}_error_rank{os.environ.get('RANK', '?')}.json", err)
+        raise
+
+
+def _hosts(shared: Path, num_nodes: int, runs: str, tag: str) -> None:
     weights = {}
     for name in runs.split(","):
         if name == "zero3_node_local":
@@ -250,9 +265,7 @@ def cut(
         data = DataLoader(make_regression_data(n=CUT_SAMPLES), batch_size=4)
         run.fit(RegressionModule(), data, ckpt_path="last" if phase in ("resume", "elastic") else None)
     except BaseException as err:
-        rank = os.environ.get("RANK", "?")
-        outcome = {"type": type(err).__name__, "message": str(err), "time": time.time()}
-        (shared / f"{phase}_rank{rank}.json").write_text(json.dumps(outcome))
+        record_failure(shared / f"{phase}_rank{os.environ.get('RANK', '?')}.json", err)
         raise
     weights = full_state_dict(run.strategy.deepspeed_engine.module)
     if run.global_rank == 0:
