@@ -34,7 +34,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, 
 
 @pytest.mark.parametrize("name", ["zero3", "zero3_offload", "zero3_nvme"])
 def test_lora_trains_like_one_process_and_only_the_adapters_move(run: Any, name: str) -> None:
-    """The zero3 run was saved at step 2 and resumed to step 4: equal to 4 uninterrupted steps in one process."""
+    """The zero3 and zero3_nvme runs were saved at step 2 and resumed to step 4: equal to 4 uninterrupted steps in
+    one process."""
     _, results, reference = run
     for rank, result in enumerate(results):
         lora.assert_close(result[name], reference, f"{name} rank {rank}")

@@ -20,7 +20,6 @@ import torch
 import lightspeed  # noqa: F401  # registers the strategy names
 from _support import lora
 from _support.models import rank_batches
-from lightspeed.errors import CheckpointError
 
 
 def build(fabric: L.Fabric, pretrained: Path) -> tuple[Any, Any]:
@@ -46,11 +45,7 @@ def main(out: Path, strategy: str) -> None:
     train(fabric, model, optimizer, range(2))
     fabric.save(out / "ck_first", {"model": model, "optimizer": optimizer})
     model, optimizer = build(fabric, out / "pretrained")
-    try:
-        fabric.load(out / "ck_first", {"model": model, "optimizer": optimizer})
-    except CheckpointError as error:  # zero3_nvme: not resumed exactly, so refused
-        torch.save({strategy: f"{type(error).__name__}: {error}"}, out / f"result_{os.environ['RANK']}.pt")
-        return
+    fabric.load(out / "ck_first", {"model": model, "optimizer": optimizer})
     train(fabric, model, optimizer, range(2, lora.STEPS))
     fabric.save(out / "ck_last", {"model": model, "optimizer": optimizer})
     import deepspeed

@@ -3,8 +3,9 @@
 usage: zero_lora.py OUT   (OUT/pretrained: the pretrained files, written by the test)
 
 * ``zero3``: 2 steps saving a checkpoint (OUT/ck_first), then a new Trainer resumes from it to step 4 saving again
-  (OUT/ck_last) with ``ZeroExport(OUT/export_zero3)``; ``zero3_offload`` and ``zero3_nvme``: 4 steps, the first
-  with ``ZeroExport(OUT/export_zero3_offload)`` and ``ZeroExport(OUT/export_merged, peft="merged")``;
+  (OUT/ck_last) with ``ZeroExport(OUT/export_zero3)``; ``zero3_offload``: 4 steps with
+  ``ZeroExport(OUT/export_zero3_offload)`` and ``ZeroExport(OUT/export_merged, peft="merged")``; ``zero3_nvme``: 2
+  steps saving OUT/ck_nvme, resumed to step 4 by a new Trainer;
 * ``changed_base``: resuming from OUT/ck_first with one frozen base weight changed;
 * ``bad_target``: a LoRA target module the model does not have.
 
@@ -98,7 +99,9 @@ def main(out: Path) -> None:
     offloaded = fit(out, "zero3_offload", lora.STEPS, exports)
     result["zero3_offload"] = gathered_state(offloaded)
     os.environ["LIGHTSPEED_NVME_PATH"] = str(out / "nvme")
-    result["zero3_nvme"] = gathered_state(fit(out, "zero3_nvme", lora.STEPS, []))
+    fit(out, "zero3_nvme", 2, [checkpoint_every_2(out / "ck_nvme")])
+    nvme_first = next((out / "ck_nvme").iterdir())
+    result["zero3_nvme"] = gathered_state(fit(out, "zero3_nvme", lora.STEPS, [], ckpt_path=nvme_first))
     result["changed_base"] = error_text(lambda: fit(out, "zero3", lora.STEPS, [], ckpt_path=first, change_base=True))
     result["bad_target"] = error_text(lambda: fit(out, "zero3", 1, [], targets=("q_proj", "not_a_layer")))
     torch.save(result, out / f"result_{os.environ['RANK']}.pt")

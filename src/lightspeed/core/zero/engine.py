@@ -35,7 +35,7 @@ from lightspeed.core.zero.config import config_offloads_optimizer, config_stage,
 from lightspeed.core.zero.cpu_optimizer import prepare_offloaded_optimizer, retarget_lr_scheduler
 from lightspeed.core.zero.frozen_fingerprint import FINGERPRINT_KEY, frozen_fingerprint
 from lightspeed.core.zero.leaf_modules import LeafModules
-from lightspeed.core.zero.nvme_resume import refuse_nvme_optimizer_resumes
+from lightspeed.core.zero.nvme_checkpoints import install_nvme_checkpoints
 from lightspeed.core.zero.nvme_space import check_nvme_space
 from lightspeed.core.zero.nvme_swapping import lightspeed_parameter_swapper
 from lightspeed.core.zero.parameter_checks import check_shape_split_groups
@@ -164,7 +164,7 @@ def initialize_engine(
     if trains:
         clear_stale_gradients(deepspeed_optimizer)
         release_swapped_gradients(deepspeed_optimizer)
-        refuse_nvme_optimizer_resumes(engine)
+        install_nvme_checkpoints(engine)
         leave_unused_parameters(engine, deepspeed_optimizer, model, unused_parameters)
     return engine, deepspeed_optimizer, scheduler
 

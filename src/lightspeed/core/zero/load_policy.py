@@ -31,7 +31,7 @@ from lightspeed.core.reliability import staging as atomic_dir
 from lightspeed.core.reliability.node_local import require_part as require_node_local_part
 from lightspeed.core.zero.engine import CHECKPOINT_TAG, FROZEN_EXCLUDED_KEY, check_loadable
 from lightspeed.core.zero.frozen_fingerprint import FINGERPRINT_KEY, check_frozen_fingerprint
-from lightspeed.core.zero.nvme_resume import refuse_nvme_optimizer_resume
+from lightspeed.core.zero.nvme_checkpoints import check_nvme_layout
 from lightspeed.core.zero.weights import check_fits, load_zero_weights, read_client_state, read_structure
 
 __all__ = [
@@ -261,7 +261,7 @@ def checkpoint_to_load(
     switched to universal loading while the caller loads, and the converted copy is deleted afterwards; ``info`` is
     told. Otherwise ``path`` itself is yielded."""
     path = Path(path)
-    refuse_nvme_optimizer_resume(engine, path)  # before any resharding (the engine refuses too)
+    check_nvme_layout(engine, path, CHECKPOINT_TAG, world_size)  # before any resharding (the engine checks too)
     saved = reshard.saved_world_size(path) if path.is_dir() else None
     if saved is None or saved == world_size:
         yield str(path)
