@@ -1,7 +1,8 @@
 """Worker: the same short bf16 training under ZeRO with fp32 master weights (DeepSpeed's default), bf16 master weights
 and gradients, and bf16 optimizer states too (the strategies' ``bf16_master_weights_and_grads`` /
 ``bf16_optimizer_states``); records per variant the dtypes and bytes of what the optimizer holds on this rank (its
-master partitions and its states), the losses, and the final weights.
+master partitions and its states), the losses, and the final weights. With the optimizer offloaded, the "bf16_master"
+variant also runs saving after half its steps and resuming into a new model and optimizer ("bf16_master_resumed").
 
 usage: zero_low_memory_states.py OUT STAGE OFFLOAD STEPS [WIDTH]    (OFFLOAD: none | cpu; rank 0 writes OUT, a torch
 file with one entry per variant). Without offload DeepSpeed keeps bf16 master weights only with bf16 moments, so the
@@ -56,7 +57,11 @@ def held_by_optimizer(engine: Any) -> dict[str, Any]:
     }
 
 
-def run(stage: int, offload: str, steps: int, width: int, flags: dict[str, bool]) -> dict[str, Any]:
+def run(
+    stage: int, offload: str, steps: int, width: int, flags: dict[str, bool], resume_from: Path | None = None
+) -> dict[str, Any]:
+    """``steps`` steps; with ``resume_from``, half of them, ``fabric.save`` there, then a new model and optimizer
+    ``fabric.load`` it and take the rest."""
     fabric = L.Fabric(
         strategy=ZeroFabricStrategy(stage=stage, offload_optimizer=offload, **flags),
         accelerator="cpu",
@@ -64,12 +69,20 @@ def run(stage: int, offload: str, steps: int, width: int, flags: dict[str, bool]
         precision="bf16-mixed",
     )
     fabric.launch()
-    model = make_model(width)
-    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def build() -> tuple[Any, Any]:
+        model = make_model(width)
+        return fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    model, optimizer = build()
     losses = []
-    for x, y in batches(steps, fabric.global_rank):
+    for step, (x, y) in enumerate(batches(steps, fabric.global_rank)):
+        if resume_from is not None and step == steps // 2:
+            fabric.save(resume_from, {"model": model, "optimizer": optimizer})
+            model, optimizer = build()
+            fabric.load(resume_from, {"model": model, "optimizer": optimizer})
         loss = nn.functional.mse_loss(model(x).float(), y)
-        fabric.backward(loss)
+        fabric.backward(loss, model=model)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(fabric.all_reduce(loss.detach().float(), reduce_op="mean")))
@@ -85,6 +98,9 @@ def main(out: Path, stage: int, offload: str, steps: int, width: int) -> None:
         for name, flags in VARIANTS.items()
         if offload != "none" or name != "bf16_master"
     }
+    if offload != "none":  # fp32 moments beside bf16 master weights: resumed as they were saved
+        resumed = run(stage, offload, steps, width, VARIANTS["bf16_master"], resume_from=out.with_name("ck"))
+        results["bf16_master_resumed"] = resumed
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out)
 

@@ -32,6 +32,7 @@ from lightspeed.core.reliability.node_local import NodePosition
 from lightspeed.core.reliability.staged_saver import StagedCheckpointSaver
 from lightspeed.core.reliability.staging import MODELS_MANIFEST_KEY
 from lightspeed.core.zero.config import config_offloads_optimizer, config_stage, describe_config
+from lightspeed.core.zero.cpu_adam_steps import replay_cpu_adam_steps_after_loads
 from lightspeed.core.zero.cpu_optimizer import prepare_offloaded_optimizer, retarget_lr_scheduler
 from lightspeed.core.zero.frozen_fingerprint import FINGERPRINT_KEY, frozen_fingerprint
 from lightspeed.core.zero.leaf_modules import LeafModules
@@ -46,6 +47,7 @@ from lightspeed.core.zero.runtime import (
     use_deepspeed_accelerator,
 )
 from lightspeed.core.zero.stale_gradients import clear_stale_gradients
+from lightspeed.core.zero.state_dtypes import keep_saved_state_dtypes
 from lightspeed.core.zero.swapped_gradients import gradient_partition_allocated_untouched, release_swapped_gradients
 from lightspeed.core.zero.unused_parameters import leave_unused_parameters
 
@@ -163,8 +165,12 @@ def initialize_engine(
         run_alone_while_switched_off(engine)
     if trains:
         clear_stale_gradients(deepspeed_optimizer)
+        inner = getattr(deepspeed_optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):  # DeepSpeed's ZeRO optimizers wrap the one that steps
+            keep_saved_state_dtypes(inner)
         release_swapped_gradients(deepspeed_optimizer)
         install_nvme_checkpoints(engine)
+        replay_cpu_adam_steps_after_loads(engine)
         leave_unused_parameters(engine, deepspeed_optimizer, model, unused_parameters)
     return engine, deepspeed_optimizer, scheduler
 

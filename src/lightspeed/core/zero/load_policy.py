@@ -266,6 +266,7 @@ def checkpoint_to_load(
     if saved is None or saved == world_size:
         yield str(path)
         return
+    _refuse_lossy_resharding(engine, path, saved, world_size)
     error: Exception | None = None
     if global_rank() == 0:
         try:
@@ -286,6 +287,21 @@ def checkpoint_to_load(
         f"lightspeed: checkpoint {str(path)!r} was written by {saved} processes, this run has {world_size}: "
         "converted it through DeepSpeed's universal checkpoint format (weights and optimizer states) and loaded it."
     )
+
+
+def _refuse_lossy_resharding(engine: Any, path: Path, saved: int, world_size: int) -> None:
+    """Raise :class:`CheckpointError` (every rank alike) where a resharded load would not restore ``engine`` exactly:
+    with half-precision master weights and fp32 optimizer moments DeepSpeed's universal load builds the moments in the
+    master weights' dtype, so they come back rounded."""
+    half_masters = engine.bf16_master_weights_and_gradients() or engine.fp16_master_weights_and_gradients()
+    if half_masters and not engine.bf16_optimizer_states():
+        raise CheckpointError(
+            f"Resuming from {str(path)!r}: the checkpoint was written by {saved} processes and this run has "
+            f"{world_size}, with half-precision master weights and fp32 optimizer moments "
+            "(bf16_master_weights_and_grads without bf16_optimizer_states), which DeepSpeed's resharded load rounds "
+            f"to the master weights' precision. Resume on {saved} processes, or export its weights (`lightspeed "
+            "export`) and start a new run from them."
+        )
 
 
 def load_weights_for_evaluation(

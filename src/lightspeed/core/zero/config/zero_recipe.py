@@ -21,6 +21,7 @@ from lightspeed.core.zero.config import activation
 from lightspeed.core.zero.config.choices import AUTO, check_zero_stage, offload_target
 from lightspeed.core.zero.config.errors import problems_error
 from lightspeed.core.zero.config.loading import config_or_environment, load_user_config
+from lightspeed.core.zero.config.low_memory import check_low_memory_states
 from lightspeed.core.zero.config.merging import merge_configs
 from lightspeed.core.zero.config.nvme import resolve_nvme_path
 from lightspeed.core.zero.config.presets import zero_preset
@@ -190,12 +191,6 @@ def build_zero_config(
     optimizer_target = offload_target(offload_optimizer, "offload_optimizer")
     parameter_target = offload_target(offload_parameters, "offload_parameters")
     uses_nvme = "nvme" in (optimizer_target, parameter_target)
-    if tuning.bf16_master_weights_and_grads and not tuning.bf16_optimizer_states and optimizer_target == "none":
-        raise DeepSpeedConfigError(
-            "bf16_master_weights_and_grads=True without bf16_optimizer_states keeps the optimizer moments in fp32, "
-            "which DeepSpeed runs only with the optimizer offloaded (its CPU Adam): pass offload_optimizer='cpu' "
-            "(e.g. strategy='zero2_offload'), or bf16_optimizer_states=True to keep everything in bf16."
-        )
     user = load_user_config(config_or_environment(user_config))
     preset = zero_preset(
         stage,
@@ -211,6 +206,7 @@ def build_zero_config(
     check_zero_section(user)
     merged = merge_configs(preset, user)
     validate_keys(merged, front_end)
+    check_low_memory_states(merged)
     return merged
 
 

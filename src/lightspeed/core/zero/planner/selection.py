@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from lightspeed.core.common.sizes import format_size
 from lightspeed.core.errors import MemoryPlanError
+from lightspeed.core.zero.config.low_memory import low_memory_conflict
 from lightspeed.core.zero.planner.accounting import (
     ZERO_OPTIONS,
     Accounting,
@@ -106,6 +107,14 @@ def assess(estimate: OptionEstimate, budgets: Budgets, cluster: Cluster, safety_
     return Verdict(estimate, True, "fits: " + "; ".join(details))
 
 
+def _runnable(accounting: Accounting, estimate: OptionEstimate) -> Verdict | None:
+    """The verdict of an option DeepSpeed cannot run with the low-memory bf16 states asked for; None if it can."""
+    option = estimate.option
+    master, states = accounting.bf16_master_weights_and_grads, accounting.bf16_optimizer_states
+    conflict = low_memory_conflict(option.offload_optimizer, master, states)
+    return None if conflict is None else Verdict(estimate, False, f"cannot run: {conflict}")
+
+
 def plan(
     counts: ModelCounts,
     cluster: Cluster,
@@ -119,7 +128,10 @@ def plan(
         raise MemoryPlanError(
             f"The safety margin is a fraction of memory kept free, between 0 and 1; got {safety_margin}."
         )
-    verdicts = [assess(e, budgets, cluster, safety_margin) for e in estimate_all(counts, cluster, accounting, options)]
+    verdicts = [
+        _runnable(accounting, e) or assess(e, budgets, cluster, safety_margin)
+        for e in estimate_all(counts, cluster, accounting, options)
+    ]
     choice = next((v for v in verdicts if v.fits), None)
     return Plan(counts, cluster, accounting, budgets, safety_margin, verdicts, choice)
 
