@@ -30,7 +30,9 @@ once when DeepSpeed's prefetch asks for one twice (see ``ParameterSwapper``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +40,16 @@ import torch
 
 from lightspeed.core.errors import DeepSpeedConfigError
 
-__all__ = ["largest_partition", "lightspeed_parameter_swapper", "parameters_held_at_once", "size_nvme_swapping"]
+__all__ = [
+    "largest_partition",
+    "lightspeed_parameter_swapper",
+    "parameters_held_at_once",
+    "remove_swap_files",
+    "size_nvme_swapping",
+]
+
+#: parameter swappers lightspeed made in this process (each after the first swaps into a folder of its own)
+_swappers_made = itertools.count()
 
 
 def _offload_device(zero: dict[str, Any], section: str) -> str:
@@ -132,10 +143,25 @@ def _swapper_classes() -> tuple[type, type]:
     base: Any = partitioned_param_swapper.AsyncPartitionedParameterSwapper  # untyped: its attributes are Any here
 
     class ParameterSwapper(base):
-        """DeepSpeed's parameter swapper, asked for each parameter once per swap-in. DeepSpeed's NVMe prefetch lists
-        the parameters of the modules its trace expects next, and a parameter the trace uses twice in that stretch
-        (a small model, a forward that skips layers) came twice, which failed an assertion ("param N already
-        assigned swap buffer id M")."""
+        """DeepSpeed's parameter swapper, asked for each parameter once per swap-in, in a folder of its own.
+
+        DeepSpeed's NVMe prefetch lists the parameters of the modules its trace expects next, and a parameter the
+        trace uses twice in that stretch (a small model, a forward that skips layers) came twice, which failed an
+        assertion ("param N already assigned swap buffer id M"). And every swapper empties its folder,
+        ``<nvme_path>/zero_stage_3/<dtype>params/rank<R>``, when it is made: a second model built in the process (a
+        GAN's discriminator, a teacher, a Fabric loop's second model) deleted the first one's parameters, whose next
+        forward then failed reading them. The first swapper of the process keeps DeepSpeed's folder, each later one
+        has ``<nvme_path>/model<N>/...``."""
+
+        def _configure_aio(self, ds_config: Any) -> None:
+            swap_config = ds_config.zero_config.offload_param
+            given, number = swap_config.nvme_path, next(_swappers_made)
+            if number:
+                swap_config.nvme_path = os.path.join(str(given), f"model{number}")
+            try:
+                super()._configure_aio(ds_config)
+            finally:
+                swap_config.nvme_path = given
 
         def swap_in(self, params: Any, async_op: bool = True, swap_in_buffers: Any = None) -> Any:
             if swap_in_buffers is None:
@@ -180,6 +206,26 @@ def _swapper_classes() -> tuple[type, type]:
             return super().get_buffer(param, numel)
 
     return ParameterSwapper, GrowingParameterSwapper
+
+
+def remove_swap_files(engine: Any) -> None:
+    """Delete what ``engine`` keeps in NVMe swap files: its optimizer swapper's files (weights, states, gradients)
+    and its parameters' files (only its own: one swapper may hold several models' parameters). For an engine that
+    will not run again (released): a process that builds engine after engine, such as the tuner's trials, would
+    otherwise fill the disk with dead files."""
+    swapper = getattr(getattr(engine, "optimizer", None), "optimizer_swapper", None)
+    paths = []
+    for info in getattr(swapper, "swap_params_info", {}).values():
+        paths += [*info.get_swap_paths(), *info.get_swap_gradient_paths()]
+    module = getattr(engine, "module", None)
+    for parameter in module.parameters() if module is not None else ():
+        own = getattr(getattr(parameter, "nvme_swapper", None), "id_to_path", {})
+        path = own.get(getattr(parameter, "ds_id", None))
+        if path is not None:
+            paths.append(path)
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 @contextlib.contextmanager

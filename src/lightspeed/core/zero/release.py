@@ -18,6 +18,7 @@ import weakref
 from typing import Any
 
 from lightspeed.core.errors import EngineReleasedError
+from lightspeed.core.zero.nvme_swapping import remove_swap_files
 
 __all__ = ["EngineRecord", "release_engine"]
 
@@ -27,12 +28,14 @@ _released: weakref.WeakSet[Any] = weakref.WeakSet()
 
 def release_engine(engine: Any) -> None:
     """Free what holds ``engine`` beyond its owners' references: DeepSpeed's ``destroy()`` (gradient and ZeRO-3
-    forward hooks), the engine's own hooks on the model, the ZeRO-3 coordinator's cache and forward-module stack.
+    forward hooks), the engine's own hooks on the model, the ZeRO-3 coordinator's cache and forward-module stack;
+    and its NVMe swap files.
     Calling the engine afterwards raises :class:`EngineReleasedError` (its ZeRO-3 weights are partitions without the
     hooks that gather them)."""
     if engine in _released:
         return
     _released.add(engine)
+    remove_swap_files(engine)  # before destroy(), which lets go of the swappers that name the files
     engine.destroy()
     engine.forward = _released_forward
     for name in ("module_forward_pre_hook", "module_forward_post_hook"):  # on the model, which may train again
