@@ -2,8 +2,8 @@
 into a folder of its own (DeepSpeed's empties a shared folder whenever one is made, so a second model deleted the
 first one's parameters and the first one's next forward failed reading them): under Fabric a model set up after
 another leaves the first one's forward unchanged, and both train as they do with the parameters on the CPU. A
-released engine's swap files are deleted (a process building engine after engine, such as the tuner's trials, would
-fill the disk with them)."""
+released engine's optimizer swap files are deleted, and a parameter's file when the parameter is freed (a process
+building engine after engine, such as the tuner's trials, would fill the disk with them)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,11 @@ def test_a_second_model_on_nvme_leaves_the_first_ones_parameters_in_place(result
             assert torch.equal(nvme[model][key], value), f"model {model}: {key}"
 
 
-def test_a_released_engines_swap_files_are_deleted(result: dict[str, Any]) -> None:
-    assert result["first_files"] > 0 and result["first_files_on_disk"] == result["first_files"]
-    assert result["first_files_left"] == []
-    assert result["second_files_on_disk"] == result["first_files"]  # the same model: as many files, all there
+def test_a_released_engines_swap_files_are_deleted_and_a_parameters_file_goes_with_it(result: dict[str, Any]) -> None:
+    held = result["first_files"]
+    assert held["optimizer"] > 0 and held["parameters"] > 0 and result["first_on_disk"] == held
+    # released: its optimizer's files go; its parameters' stay while the model lives (it may train again)
+    assert result["first_on_disk_after_release"] == {"optimizer": 0, "parameters": held["parameters"]}
+    assert result["first_on_disk_once_freed"] == {"optimizer": 0, "parameters": 0}
+    assert result["second_on_disk"] == held  # the same model again: as many files, all there
+    assert result["same_model_again"] == "no error"  # a released engine's model trains again under a new one

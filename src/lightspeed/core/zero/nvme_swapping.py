@@ -33,6 +33,7 @@ import contextlib
 import itertools
 import math
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -151,7 +152,8 @@ def _swapper_classes() -> tuple[type, type]:
         ``<nvme_path>/zero_stage_3/<dtype>params/rank<R>``, when it is made: a second model built in the process (a
         GAN's discriminator, a teacher, a Fabric loop's second model) deleted the first one's parameters, whose next
         forward then failed reading them. The first swapper of the process keeps DeepSpeed's folder, each later one
-        has ``<nvme_path>/model<N>/...``."""
+        has ``<nvme_path>/model<N>/...``, and a parameter's file is deleted when the parameter is freed (nothing
+        empties these folders while the process runs)."""
 
         def _configure_aio(self, ds_config: Any) -> None:
             swap_config = ds_config.zero_config.offload_param
@@ -162,6 +164,14 @@ def _swapper_classes() -> tuple[type, type]:
                 super()._configure_aio(ds_config)
             finally:
                 swap_config.nvme_path = given
+
+        def _get_swap_paths(self, params: Any, must_exist: bool = False) -> Any:
+            known = set(self.id_to_path)
+            paths = super()._get_swap_paths(params, must_exist=must_exist)
+            for param, path in zip(params, paths, strict=True):
+                if param.ds_id not in known:  # a file named for it just now: gone with the parameter
+                    weakref.finalize(param, _remove_file, path)
+            return paths
 
         def swap_in(self, params: Any, async_op: bool = True, swap_in_buffers: Any = None) -> Any:
             if swap_in_buffers is None:
@@ -209,23 +219,19 @@ def _swapper_classes() -> tuple[type, type]:
 
 
 def remove_swap_files(engine: Any) -> None:
-    """Delete what ``engine`` keeps in NVMe swap files: its optimizer swapper's files (weights, states, gradients)
-    and its parameters' files (only its own: one swapper may hold several models' parameters). For an engine that
-    will not run again (released): a process that builds engine after engine, such as the tuner's trials, would
-    otherwise fill the disk with dead files."""
+    """Delete ``engine``'s optimizer swap files (weights, states, gradients): for an engine that will not run again
+    (released). A process that builds engine after engine, such as the tuner's trials, would otherwise fill the disk
+    with dead files. Its parameters' files stay: the model may train again under a new engine; each goes when its
+    parameter is freed (see ``ParameterSwapper``)."""
     swapper = getattr(getattr(engine, "optimizer", None), "optimizer_swapper", None)
-    paths = []
     for info in getattr(swapper, "swap_params_info", {}).values():
-        paths += [*info.get_swap_paths(), *info.get_swap_gradient_paths()]
-    module = getattr(engine, "module", None)
-    for parameter in module.parameters() if module is not None else ():
-        own = getattr(getattr(parameter, "nvme_swapper", None), "id_to_path", {})
-        path = own.get(getattr(parameter, "ds_id", None))
-        if path is not None:
-            paths.append(path)
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        for path in [*info.get_swap_paths(), *info.get_swap_gradient_paths()]:
+            _remove_file(path)
+
+
+def _remove_file(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 @contextlib.contextmanager

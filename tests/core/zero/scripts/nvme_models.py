@@ -6,14 +6,16 @@ usage: nvme_models.py OUT   (LIGHTSPEED_NVME_PATH set by the test)
   second parameter swapper), A runs the same forward again, then A and B take STEPS steps in turn; the final
   weights of both.
 * The Trainer under ``zero3_nvme``: a fit, the swap files its engine holds (its optimizer swapper's and its
-  parameters'), then a second Trainer's fit, which releases the first engine: which of its files remain, and how
-  many the second engine holds.
+  parameters'), then a second Trainer's fit, which releases the first engine: how many of them remain then, and
+  once the first run's Trainer and model are freed; how many the second engine holds; then a third Trainer fits
+  the second run's model again (what it raised, if anything).
 
 Rank 0 writes OUT/result.pt.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -26,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightspeed  # noqa: F401  (registers the strategy names)
 from _support.models import full_state_dict
+from _support.outcomes import error_text
 from _support.trainers import quiet_trainer
 
 STEPS, WIDTH = 2, 1024  # a 1024 x 1024 partition per rank is 2 MiB: swapped (DeepSpeed's minimum is 1 MiB)
@@ -75,21 +78,26 @@ class Regressor(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def swap_files(engine: Any) -> list[str]:
+def swap_files(engine: Any) -> dict[str, list[str]]:
     """The files ``engine`` keeps on NVMe: its optimizer swapper's and its parameters'."""
     swapper = engine.optimizer.optimizer_swapper
-    paths = [path for info in swapper.swap_params_info.values() for path in info.get_swap_paths()]
+    optimizer = [path for info in swapper.swap_params_info.values() for path in info.get_swap_paths()]
+    parameters = []
     for parameter in engine.module.parameters():
         own = getattr(getattr(parameter, "nvme_swapper", None), "id_to_path", {})
-        paths += [own[parameter.ds_id]] if parameter.ds_id in own else []
-    return sorted(paths)
+        parameters += [own[parameter.ds_id]] if parameter.ds_id in own else []
+    return {"optimizer": sorted(optimizer), "parameters": sorted(parameters)}
 
 
-def trainer_fit() -> L.Trainer:
+def on_disk(files: dict[str, list[str]]) -> dict[str, int]:
+    return {kind: sum(os.path.exists(path) for path in paths) for kind, paths in files.items()}
+
+
+def trainer_fit(module: L.LightningModule | None = None) -> L.Trainer:
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 16, generator=generator), torch.randn(32, 4, generator=generator))
     trainer = quiet_trainer(strategy="zero3_nvme", accelerator="cpu", devices=2, max_steps=STEPS)
-    trainer.fit(Regressor(), DataLoader(data, batch_size=4))
+    trainer.fit(module or Regressor(), DataLoader(data, batch_size=4))
     return trainer
 
 
@@ -97,11 +105,16 @@ def main(out: Path) -> None:
     result: dict[str, Any] = {name: fabric_models(name) for name in ("zero3_nvme", "zero3_offload")}
     first = trainer_fit()
     files = swap_files(first.strategy._train_engine)
-    result["first_files"] = len(files)
-    result["first_files_on_disk"] = sum(os.path.exists(path) for path in files)
-    second = trainer_fit()  # releases the first run's engine
-    result["first_files_left"] = [path for path in files if os.path.exists(path)]
-    result["second_files_on_disk"] = sum(os.path.exists(path) for path in swap_files(second.strategy._train_engine))
+    result["first_files"] = {kind: len(paths) for kind, paths in files.items()}
+    result["first_on_disk"] = on_disk(files)
+    second = trainer_fit()  # releases the first run's engine; its model is still held here
+    result["first_on_disk_after_release"] = on_disk(files)
+    del first
+    gc.collect()
+    result["first_on_disk_once_freed"] = on_disk(files)
+    result["second_on_disk"] = on_disk(swap_files(second.strategy._train_engine))
+    # the second run's model trained again by a new Trainer (its parameters' files must still be there)
+    result["same_model_again"] = error_text(lambda: trainer_fit(second.lightning_module))
     if second.global_rank == 0:
         torch.save(result, out / "result.pt")
 
