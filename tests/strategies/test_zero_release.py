@@ -46,5 +46,6 @@ def test_an_earlier_trainer_is_refused_with_the_reason_but_a_fabric_loop_still_g
     outcome: dict, stage: str
 ) -> None:
     assert outcome[stage]["earlier_trainer_validates"] == REFUSAL
+    assert outcome[stage]["released_engine_saves"] == outcome[stage]["released_engine_loads"] == REFUSAL
     assert outcome[stage]["earlier_fabric_model_still_runs"] == [4, OUT_FEATURES]  # its loop has not ended
     assert outcome[stage]["earlier_fabric_engine_kept"] == {"engine": True}

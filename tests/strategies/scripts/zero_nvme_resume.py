@@ -5,11 +5,11 @@ usage: zero_nvme_resume.py OUT   (LIGHTSPEED_NVME_PATH set by the test)
 The model has one layer whose partition the optimizer swapper keeps on NVMe (1024 x 1024: 2 MiB per rank, above its
 1 MiB minimum) and small ones it keeps in memory; AdamW with a per-step learning-rate schedule. In order:
 
-* ``full``: zero3_nvme, STEPS steps uninterrupted;
-* ``first``: zero3_nvme, SAVE_AT steps saving OUT/ck/nvme.ckpt; ``resumed``: a new Trainer resumes it to STEPS;
-* ``engine_direct``: the engine ``full`` left (it has stepped, its states are registered with the swapper) loads
-  OUT/ck/nvme.ckpt with ``engine.load_checkpoint`` (what node-local and several-model resumes call) and saves it
-  again as OUT/ck/direct.ckpt; a new Trainer resumes that to STEPS;
+* ``first``: zero3_nvme, SAVE_AT steps saving OUT/ck/nvme.ckpt;
+* ``full``: zero3_nvme, STEPS steps uninterrupted; its engine (it has stepped, its states are registered with the
+  swapper) then loads OUT/ck/nvme.ckpt with ``engine.load_checkpoint`` (what node-local and several-model resumes
+  call) and saves it again as OUT/ck/direct.ckpt;
+* ``resumed``: a new Trainer resumes OUT/ck/nvme.ckpt to STEPS; ``engine_direct``: another one OUT/ck/direct.ckpt;
 * ``params_on_nvme``: the parameters on NVMe and the optimizer on the CPU, SAVE_AT steps saving OUT/ck/params.ckpt,
   then resumed to STEPS by a new Trainer;
 * the refusals: a zero3_offload run resuming the NVMe checkpoint, zero3_nvme resuming a zero3_offload checkpoint
@@ -137,14 +137,14 @@ def said_four_processes(source: Path, target: Path, rank: int) -> Path:
 def main(out: Path) -> None:
     ck = out / "ck"
     weights: dict[str, Any] = {}
+    first, _ = fit("zero3_nvme", SAVE_AT, save=ck / "nvme.ckpt")
+    rank = first.global_rank
     full, weights["full"] = fit("zero3_nvme", STEPS)
-    rank = full.global_rank
-    fit("zero3_nvme", SAVE_AT, save=ck / "nvme.ckpt")
-    _, weights["resumed"] = fit("zero3_nvme", STEPS, ckpt_path=ck / "nvme.ckpt")
-    engine = full.strategy.deepspeed_engine
+    engine = full.strategy.deepspeed_engine  # the last run's: not released until the next run builds its own
     _, client_state = engine.load_checkpoint(str(ck / "nvme.ckpt"), tag="checkpoint")
     client_state.pop("checkpoint_parallel_dimensions")  # DeepSpeed's own, which it returns with the client's
     engine.save_checkpoint(str(ck / "direct.ckpt"), client_state=client_state, tag="checkpoint")
+    _, weights["resumed"] = fit("zero3_nvme", STEPS, ckpt_path=ck / "nvme.ckpt")
     _, weights["engine_direct"] = fit("zero3_nvme", STEPS, ckpt_path=ck / "direct.ckpt")
     params_on_nvme = {"stage": 3, "offload_optimizer": "cpu", "offload_parameters": "nvme"}
     fit(ZeroStrategy(**params_on_nvme), SAVE_AT, save=ck / "params.ckpt")

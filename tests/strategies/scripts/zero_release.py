@@ -79,6 +79,9 @@ def runs(stage: str) -> dict[str, Any]:
 
     third = fit(stage)  # `second` is kept: its engine is released by this run
     out["earlier_trainer_validates"] = refusal(second.validate, second.lightning_module, data(), verbose=False)
+    released = second.strategy.model  # the released engine (the strategy let go of it as its training engine)
+    out["released_engine_saves"] = refusal(released.save_checkpoint, "unused", tag="checkpoint")
+    out["released_engine_loads"] = refusal(released.load_checkpoint, "unused", tag="checkpoint")
     refs = {"engine": weakref.ref(third.strategy._train_engine)}
     third.fit(third.lightning_module, data())  # the same Trainer fits again: a new engine, the last one released
     out["same_trainer_fits_again"] = alive(refs)

@@ -30,14 +30,15 @@ def release_engine(engine: Any) -> None:
     """Free what holds ``engine`` beyond its owners' references: DeepSpeed's ``destroy()`` (gradient and ZeRO-3
     forward hooks), the engine's own hooks on the model, the ZeRO-3 coordinator's cache and forward-module stack;
     and its NVMe swap files.
-    Calling the engine afterwards raises :class:`EngineReleasedError` (its ZeRO-3 weights are partitions without the
-    hooks that gather them)."""
+    Calling the engine afterwards, or its ``load_checkpoint`` / ``save_checkpoint``, raises
+    :class:`EngineReleasedError` (its ZeRO-3 weights are partitions without the hooks that gather them, its swap files
+    are gone)."""
     if engine in _released:
         return
     _released.add(engine)
     remove_swap_files(engine)  # before destroy(), which lets go of the swappers that name the files
     engine.destroy()
-    engine.forward = _released_forward
+    engine.forward = engine.load_checkpoint = engine.save_checkpoint = _refuse_released
     for name in ("module_forward_pre_hook", "module_forward_post_hook"):  # on the model, which may train again
         handle = getattr(engine, name, None)
         if handle is not None:
@@ -54,7 +55,7 @@ def release_engine(engine: Any) -> None:
             cell.cell_contents.cache_clear()
 
 
-def _released_forward(*args: Any, **kwargs: Any) -> Any:
+def _refuse_released(*args: Any, **kwargs: Any) -> Any:
     raise EngineReleasedError(
         "this DeepSpeed engine was released when its run built a new one or another ZeRO run started in this "
         "process (lightspeed frees an ended run's engines when the next run builds its own: DeepSpeed's engines are "
