@@ -37,11 +37,9 @@ def replay_cpu_adam_steps(optimizer: torch.optim.Optimizer) -> None:
             )  # fmt: skip
 
 
-def replay_cpu_adam_steps_after_loads(engine: Any) -> None:
-    """After every ``engine.load_checkpoint``, :func:`replay_cpu_adam_steps` on the optimizer that steps."""
-    inner = getattr(getattr(engine, "optimizer", None), "optimizer", None)
-    if not isinstance(inner, torch.optim.Optimizer):
-        return
+def replay_cpu_adam_steps_after_loads(engine: Any, inner: torch.optim.Optimizer) -> None:
+    """After every ``engine.load_checkpoint``, :func:`replay_cpu_adam_steps` on ``inner``, the optimizer that steps
+    inside the engine's ZeRO optimizer."""
     load = engine.load_checkpoint
 
     @functools.wraps(load)  # its signature stays readable (unused_parameters binds the arguments)

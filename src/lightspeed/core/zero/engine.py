@@ -165,12 +165,12 @@ def initialize_engine(
         run_alone_while_switched_off(engine)
     if trains:
         clear_stale_gradients(deepspeed_optimizer)
+        release_swapped_gradients(deepspeed_optimizer)
+        install_nvme_checkpoints(engine)
         inner = getattr(deepspeed_optimizer, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer):  # DeepSpeed's ZeRO optimizers wrap the one that steps
             keep_saved_state_dtypes(inner)
-        release_swapped_gradients(deepspeed_optimizer)
-        install_nvme_checkpoints(engine)
-        replay_cpu_adam_steps_after_loads(engine)
+            replay_cpu_adam_steps_after_loads(engine, inner)
         leave_unused_parameters(engine, deepspeed_optimizer, model, unused_parameters)
     return engine, deepspeed_optimizer, scheduler
 

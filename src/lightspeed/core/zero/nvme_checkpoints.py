@@ -132,6 +132,13 @@ class _Shard:
         )
 
 
+def _swap_copies(engine: Any, directory: Path, tag: str) -> Path:
+    """Where a checkpoint holds this rank's copies of its swap files (DeepSpeed's layout: the node's local rank under
+    node-local storage, else the global one)."""
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    return directory / tag / OFFLOADED_FOLDER / f"rank{rank:02d}"
+
+
 def _swap_files(engine: Any, load_dir: Path, tag: str) -> Path:
     """This rank's copies of its swap files in an NVMe save, checked against this rank's shard: every file the
     shard's swapped sub-groups need is there, not shorter than the sub-group (a :class:`CheckpointError` names what
@@ -142,8 +149,7 @@ def _swap_files(engine: Any, load_dir: Path, tag: str) -> Path:
     if not path.is_file():
         raise CheckpointError(f"Resuming from {str(load_dir)!r}: {path} is missing (this rank's ZeRO shard).")
     shard = _Shard.of(torch.load(path, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT])
-    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
-    files = load_dir / tag / OFFLOADED_FOLDER / f"rank{rank:02d}"
+    files = _swap_copies(engine, load_dir, tag)
     optimizer = engine.optimizer
     _check_sub_groups(optimizer, shard, path)
     position = _position_of_partitions(optimizer)
@@ -306,8 +312,7 @@ def _save_own_swap_files(engine: Any) -> None:
         resolved = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
         with _instead(engine, "zero_nvme_offload_optimizer", lambda: False):
             saved = save(save_dir, resolved, *args, **kwargs)
-        rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
-        target = Path(save_dir) / resolved / OFFLOADED_FOLDER / f"rank{rank:02d}"
+        target = _swap_copies(engine, Path(save_dir), resolved)
         target.mkdir(parents=True)
         swapper = engine.optimizer.optimizer_swapper
         for info in swapper.swap_params_info.values():

@@ -16,13 +16,30 @@ from lightspeed.core.errors import DeepSpeedConfigError
 __all__ = ["check_low_memory_states", "low_memory_conflict"]
 
 
+_ON_NVME = "DeepSpeed's NVMe optimizer swapper does not run bf16 master weights"
+_NOT_OFFLOADED = "bf16 master weights with fp32 moments run only with the optimizer offloaded to the CPU"
+#: what to change, for each conflict
+_ADVICE = {
+    _ON_NVME: (
+        "bf16_master_weights_and_grads=True with the optimizer states on NVMe: DeepSpeed's optimizer swapper keeps "
+        "fp32 swap buffers, and the first step would fail inside DeepSpeed. Offload the optimizer to the CPU instead "
+        "(offload_optimizer='cpu', e.g. strategy='zero3_offload'), or keep fp32 master weights."
+    ),
+    _NOT_OFFLOADED: (
+        "bf16_master_weights_and_grads=True without bf16_optimizer_states keeps the optimizer moments in fp32, "
+        "which DeepSpeed runs only with the optimizer offloaded (its CPU Adam): pass offload_optimizer='cpu' "
+        "(e.g. strategy='zero2_offload'), or bf16_optimizer_states=True to keep everything in bf16."
+    ),
+}
+
+
 def low_memory_conflict(offload_optimizer: str, master: bool, states: bool) -> str | None:
     """Why DeepSpeed cannot run bf16 master weights (``master``) and moments (``states``) with the optimizer states
     at ``offload_optimizer`` (``"none"``, ``"cpu"``, ``"nvme"``); None where it can."""
     if master and offload_optimizer == "nvme":
-        return "DeepSpeed's NVMe optimizer swapper does not run bf16 master weights"
+        return _ON_NVME
     if master and not states and offload_optimizer == "none":
-        return "bf16 master weights with fp32 moments run only with the optimizer offloaded to the CPU"
+        return _NOT_OFFLOADED
     return None
 
 
@@ -39,16 +56,5 @@ def check_low_memory_states(config: dict[str, Any]) -> None:
     master = bf16.get("bf16_master_weights_and_grads") is True
     states = bf16.get("bf16_optimizer_states") is True
     conflict = low_memory_conflict(str(offload.get("device", "none")), master, states)
-    if conflict is None:
-        return
-    if offload.get("device") == "nvme":
-        raise DeepSpeedConfigError(
-            "bf16_master_weights_and_grads=True with the optimizer states on NVMe: DeepSpeed's optimizer swapper "
-            "keeps fp32 swap buffers, and the first step would fail inside DeepSpeed. Offload the optimizer to the "
-            "CPU instead (offload_optimizer='cpu', e.g. strategy='zero3_offload'), or keep fp32 master weights."
-        )
-    raise DeepSpeedConfigError(
-        "bf16_master_weights_and_grads=True without bf16_optimizer_states keeps the optimizer moments in fp32, "
-        "which DeepSpeed runs only with the optimizer offloaded (its CPU Adam): pass offload_optimizer='cpu' "
-        "(e.g. strategy='zero2_offload'), or bf16_optimizer_states=True to keep everything in bf16."
-    )
+    if conflict is not None:
+        raise DeepSpeedConfigError(_ADVICE[conflict])
